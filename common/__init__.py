@@ -1,0 +1,1 @@
+"""Small, algorithm-agnostic helpers shared by the scripts in algorithms/."""

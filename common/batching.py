@@ -1,0 +1,67 @@
+"""Turning samples into padded tensors, and per-token log-probs without the full-vocabulary blow-up."""
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from common.engine import left_pad, position_ids_from_mask
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict:
+    """[left-padded prompt | right-padded response] tensors. ``response_mask`` marks real response tokens."""
+    p_ids, p_mask = left_pad(prompts, pad_id)
+    R = max(1, max(len(r) for r in responses))
+    r_ids = torch.full((len(responses), R), pad_id, dtype=torch.long)
+    r_mask = torch.zeros((len(responses), R), dtype=torch.long)
+    for i, r in enumerate(responses):
+        r_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        r_mask[i, :len(r)] = 1
+    mask = torch.cat([p_mask, r_mask], 1)
+    return dict(input_ids=torch.cat([p_ids, r_ids], 1), attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                response_ids=r_ids, response_mask=r_mask.bool(), prompt_len=p_ids.shape[1])
+
+
+def pad_float(rows: list[list[float]], width: int) -> torch.Tensor:
+    """Right-pad lists of floats with zeros into a [B, width] float32 tensor."""
+    out = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def _chunk_logp_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = (h @ weight.t()).float() / temperature
+    lse = logits.logsumexp(-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    with torch.no_grad():
+        entropy = lse - (logits.softmax(-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def response_logprobs(model, batch: dict, temperature: float = 1.0, chunk_tokens: int = 1024,
+                      with_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs (and entropies) of the response tokens under ``model`` at ``temperature``.
+
+    The LM head runs on at most ``chunk_tokens`` real response tokens at a time and is recomputed in
+    the backward pass (activation checkpointing), so the [tokens x vocab] logits never exist for the
+    whole batch. Returns two [B, R] float32 tensors, zero where ``response_mask`` is False.
+    """
+    P, mask = batch["prompt_len"], batch["response_mask"]
+    R = mask.shape[1]
+    base = getattr(model, model.base_model_prefix)
+    hidden = base(input_ids=batch["input_ids"][:, :P + R - 1], attention_mask=batch["attention_mask"][:, :P + R - 1],
+                  position_ids=batch["position_ids"][:, :P + R - 1]).last_hidden_state[:, P - 1:]
+    h = hidden[mask]
+    targets = batch["response_ids"][mask]
+    weight = model.get_output_embeddings().weight
+    lps, ents = [], []
+    for i in range(0, h.shape[0], chunk_tokens):
+        args = (h[i:i + chunk_tokens], weight, targets[i:i + chunk_tokens], temperature)
+        lp, ent = checkpoint(_chunk_logp_entropy, *args, use_reentrant=False) if with_grad else _chunk_logp_entropy(*args)
+        lps.append(lp)
+        ents.append(ent)
+    logp = torch.zeros(mask.shape, dtype=torch.float32)
+    entropy = torch.zeros(mask.shape, dtype=torch.float32)
+    if lps:
+        logp = logp.masked_scatter(mask, torch.cat(lps))
+        entropy = entropy.masked_scatter(mask, torch.cat(ents).detach())
+    return logp, entropy

@@ -1,0 +1,69 @@
+"""Metrics: runs/<run_name>/metrics.jsonl always, a console line per step, wandb behind --track."""
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+
+def format_duration(seconds: float) -> str:
+    """12 -> '12s', 75 -> '1m15s', 3700 -> '1h01m'."""
+    seconds = int(round(max(0.0, seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+
+
+def progress_line(step: int, total: int, elapsed: float, metrics: dict, keys: list[str], width: int = 20) -> str:
+    """'[#####-----] 5/10 12s<12s | reward 0.41 ...': a bar, the step, elapsed<ETA, chosen metrics."""
+    frac = step / total if total else 1.0
+    bar = "#" * int(width * frac) + "-" * (width - int(width * frac))
+    eta = elapsed / step * (total - step) if step else float("nan")
+    parts = []
+    for k in keys:
+        if k in metrics:
+            v = metrics[k]
+            label = k.split("/")[-1] if k.startswith("charts/") else k.replace("/", ".")
+            parts.append(f"{label} {v:.4g}" if isinstance(v, float) else f"{label} {v}")
+    eta_s = format_duration(eta) if math.isfinite(eta) else "?"
+    return f"[{bar}] {step}/{total} {format_duration(elapsed)}<{eta_s} | " + " ".join(parts)
+
+
+class Tracker:
+    """Writes each ``log`` call as one JSON line (with ``global_step``); mirrors to wandb when enabled."""
+
+    def __init__(self, run_dir: str | Path, config: dict, track: bool = False, project: str = "asyncrl",
+                 run_name: str | None = None, resume: bool = False):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.run_dir / "metrics.jsonl", "a" if resume else "w")
+        with open(self.run_dir / "config.json", "w") as f:
+            json.dump(config, f, indent=2, default=str)
+        self.wandb = None
+        if track:
+            import wandb  # imported only when asked for
+
+            self.wandb = wandb.init(project=project, name=run_name or self.run_dir.name, config=config,
+                                    dir=str(self.run_dir), mode=os.environ.get("WANDB_MODE", "online"))
+        self.start = time.time()
+
+    def log(self, metrics: dict, step: int) -> None:
+        row = {"global_step": step, **{k: (float(v) if hasattr(v, "item") else v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Read a metrics.jsonl file back into a list of dicts."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,46 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "algorithms"))
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer_path():
+    from common.models import resolve_model
+
+    return resolve_model(None)  # converts the embedded model once (cached outside the repo)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory, default_tokenizer_path):
+    """A randomly initialised 2-layer Llama with the default model's tokenizer and chat template."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(default_tokenizer_path)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def run_script(script: str, *flags: str, cwd, timeout: int = 240, check: bool = True):
+    """Run algorithms/<script> in a subprocess from ``cwd`` (so runs/ lands there)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "algorithms" / script), *flags], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+    return proc

@@ -1,0 +1,311 @@
+"""Every helper in common/: tasks and verifiers, model resolution, engine, batching, tracking, checkpoints."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from common import models
+from common.batching import collate, pad_float, response_logprobs
+from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from common.engine import HFEngine, left_pad, position_ids_from_mask, sample, sampling_logprobs
+from common.models import load_model, load_tokenizer, resolve_model
+from common.tasks import (correctness_reward, encode_prompt, extract_hash_answer, extract_last_number,
+                          make_arithmetic_task, make_task, read_jsonl)
+from common.tracking import Tracker, format_duration, progress_line, read_metrics
+
+
+# ------------------------------------------------------------------ tasks and verifiers
+@pytest.mark.parametrize("text,expected", [
+    ("The answer is 42.", "42"), ("12 + 30 = 42", "42"), ("-7", "-7"), ("1,234 apples", "1234"),
+    ("3.50", "3.5"), ("no digits here", None), ("", None), ("2.0", "2"),
+])
+def test_extract_last_number(text, expected):
+    assert extract_last_number(text) == expected
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("so 5 + 3 = 8\n#### 8", "8"), ("#### 1,000", "1000"), ("#### -3 dollars", "-3"), ("8", None),
+    ("#### first\n#### 9", "9"), ("####", None),
+])
+def test_extract_hash_answer(text, expected):
+    assert extract_hash_answer(text) == expected
+
+
+def test_correctness_reward_is_numeric():
+    assert correctness_reward("42", "42.0") == 1.0 and correctness_reward("41", "42") == 0.0
+    assert correctness_reward(None, "42") == 0.0
+
+
+def test_arithmetic_task_is_seeded_and_eval_is_held_out():
+    t1, t2 = make_arithmetic_task(digits=2, eval_size=50, seed=3), make_arithmetic_task(digits=2, eval_size=50, seed=3)
+    assert t1.train_rows(5, 8) == t2.train_rows(5, 8)
+    assert t1.train_rows(5, 8) != t1.train_rows(6, 8)
+    assert make_arithmetic_task(2, 50, seed=4).train_rows(5, 8) != t1.train_rows(5, 8)
+    assert t1.eval_rows == make_arithmetic_task(2, 50, seed=99).eval_rows  # fixed whatever the seed
+    held_out = {(r["a"], r["b"]) for r in t1.eval_rows}
+    assert len(held_out) == 50
+    for k in range(200):
+        assert not held_out & {(r["a"], r["b"]) for r in t1.train_rows(k, 8)}
+    row = t1.train_rows(0, 1)[0]
+    assert row["answer"] == str(row["a"] + row["b"]) and 10 <= row["a"] <= 99
+    assert t1.reward(f"It is {row['answer']}.", row) == 1.0 and t1.reward("It is 0.", row) == 0.0
+    assert "Reply with just the number" in t1.prompt(row)
+
+
+def test_arithmetic_difficulty_knob():
+    row = make_arithmetic_task(digits=4, eval_size=10).train_rows(0, 1)[0]
+    assert 1000 <= row["a"] <= 9999 and 1000 <= row["b"] <= 9999
+    with pytest.raises(SystemExit, match="digits"):
+        make_arithmetic_task(digits=0)
+    with pytest.raises(SystemExit, match="too large"):
+        make_arithmetic_task(digits=1, eval_size=80)
+
+
+def test_unknown_task_is_a_clear_error():
+    with pytest.raises(SystemExit, match="unknown; choose one of arithmetic, gsm8k"):
+        make_task("chess")
+
+
+def write_gsm8k(folder, train_rows, test_rows):
+    folder.mkdir(exist_ok=True)
+    for name, rows in (("train", train_rows), ("test", test_rows)):
+        (folder / f"{name}.jsonl").write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return folder
+
+
+def test_gsm8k_local_folder(tmp_path):
+    rows = [{"question": f"Q{i}: 1 + {i}?", "answer": f"1 + {i} = {1 + i}\n#### {1 + i}"} for i in range(10)]
+    task = make_task("gsm8k", data_path=str(write_gsm8k(tmp_path / "g", rows, rows[:4])), eval_size=3, seed=1)
+    assert len(task.eval_rows) == 3 and task.eval_rows[0]["answer"] == "1"
+    epoch = [r["question"] for r in task.train_rows(0, 10)]
+    assert sorted(epoch) == sorted(r["question"] for r in rows)  # one batch of 10 = one full shuffled epoch
+    assert task.train_rows(1, 10) != task.train_rows(0, 10)  # the next epoch is reshuffled
+    assert task.reward("so it is\n#### 2", task.eval_rows[1]) == 1.0
+    assert task.reward("2", task.eval_rows[1]) == 0.0  # GSM8K's verifier wants '####'
+    assert "####" in task.prompt(task.eval_rows[0])
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("{not json", "row 2 is not valid JSON"),
+    (json.dumps({"question": "q"}), "row 2 lacks a non-empty string field 'answer'"),
+    (json.dumps([1, 2]), "row 2 is not a JSON object"),
+    (json.dumps({"question": "q", "answer": "no hash here"}), "row 2: answer does not end with '#### <number>'"),
+])
+def test_gsm8k_malformed_rows_name_file_and_row(tmp_path, bad, match):
+    good = {"question": "q", "answer": "#### 1"}
+    folder = write_gsm8k(tmp_path / "g", [good, bad], [good])
+    with pytest.raises(SystemExit, match=match) as e:
+        make_task("gsm8k", data_path=str(folder))
+    assert "train.jsonl" in str(e.value)
+
+
+def test_gsm8k_missing_files(tmp_path):
+    with pytest.raises(SystemExit, match="expected a folder with train.jsonl"):
+        make_task("gsm8k", data_path=str(tmp_path / "nowhere"))
+
+
+def test_read_jsonl_skips_blank_lines_and_rejects_empty(tmp_path):
+    f = tmp_path / "a.jsonl"
+    f.write_text('{"x": "1"}\n\n{"x": "2"}\n')
+    assert [r["x"] for r in read_jsonl(f, ("x",))] == ["1", "2"]
+    f.write_text("\n")
+    with pytest.raises(SystemExit, match="no rows"):
+        read_jsonl(f, ("x",))
+
+
+def test_encode_prompt_uses_chat_template(tiny_model_path):
+    tok = load_tokenizer(tiny_model_path)
+    ids = encode_prompt(tok, "What is 1 + 1?")
+    text = tok.decode(ids)
+    assert "<|im_start|>user\nWhat is 1 + 1?<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    assert encode_prompt(tok, "hi", chat_template=False) == tok("hi")["input_ids"]
+
+
+# ------------------------------------------------------------------ models
+def test_resolve_model_errors_and_folders(tmp_path, tiny_model_path):
+    with pytest.raises(SystemExit, match="no such folder"):
+        resolve_model(str(tmp_path / "missing-model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+    assert resolve_model(tiny_model_path) == tiny_model_path
+    assert resolve_model("org/some-model") == "org/some-model"  # a hub id is passed through
+
+
+def test_default_model_is_converted_once_then_cached(tmp_path, monkeypatch, default_tokenizer_path):
+    # the cached folder is reused: conversion must not run again
+    monkeypatch.setattr(models, "convert_gguf", lambda *a: pytest.fail("converted a second time"))
+    assert resolve_model(None) == default_tokenizer_path == resolve_model("default")
+    assert models.find_default_gguf().name == models.GGUF_NAME
+
+
+def test_convert_gguf_produces_a_loadable_folder(tmp_path, monkeypatch, default_tokenizer_path):
+    calls = []
+    real = models.convert_gguf
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "convert_gguf", lambda *a: calls.append(a) or real(*a))
+    path = resolve_model(None)
+    assert len(calls) == 1 and path.startswith(str(tmp_path))
+    resolve_model(None)
+    assert len(calls) == 1
+    m = load_model(path)
+    assert m.config.tie_word_embeddings and sum(p.numel() for p in m.parameters()) == 134_515_008
+    ref = load_model(default_tokenizer_path)
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+
+
+def test_load_model_unknown_hub_id_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit, match="could not load it"):
+        load_model("asyncrl-test/does-not-exist")
+
+
+# ------------------------------------------------------------------ engine and batching
+def test_left_pad_and_positions():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert position_ids_from_mask(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+def test_sampling_logprobs_temperature_and_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    lp = sampling_logprobs(logits, 0.5, 1.0)
+    torch.testing.assert_close(lp, torch.log_softmax(logits / 0.5, -1))
+    lp = sampling_logprobs(logits, 1.0, 0.7)  # p = .64 .24 .09 .03: nucleus {0, 1}
+    p = torch.softmax(logits, -1)[0, :2]
+    torch.testing.assert_close(lp[0, :2].exp(), p / p.sum())
+    assert torch.isinf(lp[0, 2:]).all()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    tok = load_tokenizer(tiny_model_path)
+    return load_model(tiny_model_path), tok
+
+
+def tiny_prompts(tok, n=6):
+    return [encode_prompt(tok, f"What is {i} + {i + 3}?") for i in range(n)]
+
+
+def test_sample_returns_valid_responses(tiny):
+    model, tok = tiny
+    prompts = tiny_prompts(tok)
+    res, lps, trunc = sample(model, prompts, max_new_tokens=7, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                             generator=torch.Generator().manual_seed(0))
+    for r, lp, tr in zip(res, lps, trunc):
+        assert 1 <= len(r) <= 7 and len(lp) == len(r) and all(x <= 0 for x in lp)
+        assert tr == (tok.eos_token_id not in r)
+        assert tok.eos_token_id not in r[:-1]
+    again = sample(model, prompts, max_new_tokens=7, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                   generator=torch.Generator().manual_seed(0))
+    assert again[0] == res  # seeded sampling is reproducible
+
+
+def test_engine_logprobs_match_trainer(tiny):
+    """Behaviour log-probs from the engine equal the trainer's log-probs for the same weights and temperature:
+    within 1e-4 with an fp32 engine and fp32 trainer; within 0.1 mean |diff| for bf16 engine vs bf16 autocast."""
+    model, tok = tiny
+    prompts = [p for p in tiny_prompts(tok, 4) for _ in range(2)]
+    for dtype, autocast, tol in ((torch.float32, False, 1e-4), (torch.bfloat16, True, 0.1)):
+        engine = HFEngine(model, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, dtype=dtype)
+        outs = engine.generate(prompts, max_new_tokens=10, temperature=0.7, seed=1)
+        assert all(o["version"] == 0 for o in outs)
+        batch = collate(prompts, [o["response"] for o in outs], tok.pad_token_id)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logp, _ = response_logprobs(model, batch, temperature=0.7, with_grad=False)
+        behav = pad_float([o["logprobs"] for o in outs], logp.shape[1])
+        diff = (logp - behav).abs()[batch["response_mask"]]
+        assert diff.mean() < tol, (dtype, diff.mean())
+
+
+def test_engine_weight_sync(tiny):
+    model, tok = tiny
+    engine = HFEngine(model, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, dtype=torch.float32)
+    prompts = tiny_prompts(tok, 3)
+    before = engine.generate(prompts, max_new_tokens=6, seed=0)
+    perturbed = {n: p.detach() + 0.5 * torch.randn_like(p) for n, p in model.named_parameters()}
+    engine.load_weights(perturbed.items(), version=7)
+    after = engine.generate(prompts, max_new_tokens=6, seed=0)
+    assert all(o["version"] == 7 for o in after)
+    assert [o["logprobs"] for o in after] != [o["logprobs"] for o in before]
+    engine.load_weights(model.named_parameters(), version=8)
+    restored = engine.generate(prompts, max_new_tokens=6, seed=0)
+    assert [o["response"] for o in restored] == [o["response"] for o in before]
+    assert not any(p.data_ptr() == q.data_ptr() for p in engine.model.parameters() for q in model.parameters())
+
+
+def test_collate_layout():
+    b = collate([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 5, 6, 0], [0, 0, 4, 7, 8, 9]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert b["response_mask"].tolist() == [[True, True, False], [True, True, True]]
+    assert b["prompt_len"] == 3 and b["position_ids"][1].tolist()[2:] == [0, 1, 2, 3]
+    assert pad_float([[0.5], [1.0, 2.0]], 3).tolist() == [[0.5, 0, 0], [1.0, 2.0, 0]]
+
+
+def test_response_logprobs_match_full_log_softmax(tiny):
+    model, tok = tiny
+    prompts = tiny_prompts(tok, 3)
+    batch = collate(prompts, [[10, 11, 12], [13], [14, 15]], tok.pad_token_id)
+    logp, ent = response_logprobs(model, batch, temperature=0.8, chunk_tokens=2)  # several chunks
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits.float() / 0.8
+    P = batch["prompt_len"]
+    full = torch.log_softmax(logits[:, P - 1:-1], -1)
+    ref = full.gather(-1, batch["response_ids"][..., None]).squeeze(-1) * batch["response_mask"]
+    torch.testing.assert_close(logp.detach(), ref, atol=1e-5, rtol=1e-5)
+    ref_ent = -(full.exp() * full).sum(-1) * batch["response_mask"]
+    torch.testing.assert_close(ent, ref_ent, atol=1e-4, rtol=1e-4)
+    logp.sum().backward()  # gradients flow through the checkpointed chunks
+    assert model.get_output_embeddings().weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------ tracking and checkpoints
+def test_format_duration_and_progress_line():
+    assert [format_duration(x) for x in (12, 75, 3700)] == ["12s", "1m15s", "1h01m"]
+    line = progress_line(5, 10, 50.0, {"charts/reward_mean": 0.5, "eval/accuracy": 0.25}, ["charts/reward_mean",
+                                                                                             "eval/accuracy", "x"])
+    assert line.startswith("[##########----------] 5/10 50s<50s |")
+    assert "reward_mean 0.5" in line and "eval.accuracy 0.25" in line
+    assert "?" in progress_line(0, 10, 0.0, {}, [])
+
+
+def test_tracker_writes_jsonl_and_config(tmp_path):
+    tr = Tracker(tmp_path / "run", {"lr": 1e-6})
+    tr.log({"charts/reward_mean": torch.tensor(0.5), "async/policy_version": 1}, step=1)
+    tr.log({"charts/reward_mean": 0.75}, step=2)
+    tr.close()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert rows == [{"global_step": 1, "charts/reward_mean": 0.5, "async/policy_version": 1},
+                    {"global_step": 2, "charts/reward_mean": 0.75}]
+    assert json.loads((tmp_path / "run" / "config.json").read_text()) == {"lr": 1e-6}
+    tr = Tracker(tmp_path / "run", {}, resume=True)  # resume appends
+    tr.log({"a": 1}, step=3)
+    tr.close()
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 3
+
+
+def test_tracker_wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tr = Tracker(tmp_path / "run", {"lr": 1e-6}, track=True, project="asyncrl-test")
+    tr.log({"charts/reward_mean": 0.5}, step=1)
+    tr.close()
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+def test_checkpoint_roundtrip_and_rng(tmp_path):
+    state = {"w": torch.arange(4.0), "rng": rng_state(), "rollouts": [{"k": 1, "outs": [[1, 2]]}]}
+    a = torch.rand(3)
+    path = save_checkpoint(tmp_path / "c" / "checkpoint.pt", state)
+    assert not list(path.parent.glob("*.tmp"))
+    loaded = load_checkpoint(tmp_path / "c")  # a run folder works too
+    assert torch.equal(loaded["w"], state["w"]) and loaded["rollouts"] == state["rollouts"]
+    set_rng_state(loaded["rng"])
+    assert torch.equal(torch.rand(3), a)
+    with pytest.raises(SystemExit, match="no checkpoint there"):
+        load_checkpoint(tmp_path / "nothing")

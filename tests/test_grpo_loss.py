@@ -1,0 +1,115 @@
+"""GRPO's pure functions against independent re-computations of the formulas (DeepSeekMath sec. 4.1)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from grpo import aggregate, batch_version, clipped_surrogate, group_advantages, k3_kl
+
+
+def test_group_advantages_match_numpy_zscore():
+    r = np.array([[1, 0, 0, 1, 1, 0, 0, 0], [0.5, 0.25, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    expected = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
+    got = group_advantages(torch.tensor(r, dtype=torch.float32), scale_std=True, eps=1e-6)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_group_advantages_all_equal_rewards_are_zero():
+    for value in (0.0, 1.0):
+        got = group_advantages(torch.full((3, 8), value))
+        assert torch.equal(got, torch.zeros(3, 8))
+
+
+def test_dr_grpo_advantages_keep_only_mean_baseline():
+    r = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    got = group_advantages(r, scale_std=False)
+    torch.testing.assert_close(got, torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
+
+
+def reference_clip_loss(logp, logp_old, adv, eps):
+    """Scalar loop over tokens: -min(r A, clip(r) A) and whether the clipped branch is strictly the one taken."""
+    loss, clipped = np.zeros_like(logp), np.zeros_like(logp, dtype=bool)
+    for i in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            r = math.exp(logp[i, t] - logp_old[i, t])
+            a = adv[i]
+            surr1, surr2 = r * a, min(max(r, 1 - eps), 1 + eps) * a
+            loss[i, t] = -min(surr1, surr2)
+            clipped[i, t] = surr2 < surr1
+    return loss, clipped
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # near on-policy, moderate and extreme ratios
+def test_clipped_surrogate_matches_reference(scale):
+    g = torch.Generator().manual_seed(0)
+    logp_old = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 5
+    logp = logp_old + torch.randn(4, 6, generator=g, dtype=torch.float64) * scale
+    adv = torch.tensor([1.5, -0.7, 0.0, 2.0], dtype=torch.float64)
+    loss, ratio, clipped = clipped_surrogate(logp, logp_old, adv, 0.2)
+    ref_loss, ref_clipped = reference_clip_loss(logp.numpy(), logp_old.numpy(), adv.numpy(), 0.2)
+    np.testing.assert_allclose(loss.numpy(), ref_loss, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(clipped.numpy(), ref_clipped)
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(ratio, torch.exp(logp - logp_old))
+
+
+def test_ratio_one_gives_minus_advantage_and_no_clipping():
+    logp = torch.randn(3, 5)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    loss, ratio, clipped = clipped_surrogate(logp, logp.clone(), adv, 0.2)
+    assert torch.equal(ratio, torch.ones_like(ratio))
+    assert not clipped.any()
+    torch.testing.assert_close(loss, -adv[:, None].expand(3, 5))
+
+
+def test_extreme_ratios_are_clipped_on_the_right_side():
+    logp_old = torch.zeros(2, 1)
+    logp = torch.tensor([[20.0], [-20.0]])  # r = e^20 and e^-20
+    # positive advantage, huge ratio: clipped at 1 + eps, no gradient
+    loss, _, clipped = clipped_surrogate(logp[:1].requires_grad_(), logp_old[:1], torch.tensor([1.0]), 0.2)
+    assert clipped.all() and loss.item() == pytest.approx(-1.2)
+    # negative advantage, tiny ratio: clipped at 1 - eps
+    loss, _, clipped = clipped_surrogate(logp[1:], logp_old[1:], torch.tensor([-1.0]), 0.2)
+    assert clipped.all() and loss.item() == pytest.approx(0.8)
+    # negative advantage, huge ratio: NOT clipped (PPO keeps the pessimistic unclipped branch)
+    loss, _, clipped = clipped_surrogate(logp[:1], logp_old[:1], torch.tensor([-1.0]), 0.2)
+    assert not clipped.any() and loss.item() == pytest.approx(math.exp(20.0), rel=1e-5)
+
+
+def test_clipped_tokens_get_no_gradient():
+    logp = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    loss, _, clipped = clipped_surrogate(logp, torch.zeros(1, 2), torch.tensor([1.0]), 0.2)
+    loss.sum().backward()
+    assert clipped.tolist() == [[True, False]]
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-1.0)
+
+
+def test_k3_matches_formula_and_is_nonnegative():
+    logp = torch.tensor([-1.0, -2.0, -0.1, -30.0])
+    ref = torch.tensor([-1.0, -1.0, -3.0, -0.5])
+    d = np.clip(logp.numpy() - ref.numpy(), -10, 10)
+    np.testing.assert_allclose(k3_kl(logp, ref).numpy(), np.exp(-d) + d - 1, rtol=1e-6)
+    assert (k3_kl(logp, ref) >= 0).all() and k3_kl(logp, logp).abs().max() == 0
+
+
+def test_aggregation_modes_with_padding():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 99.0], [4.0, 99.0, 99.0, 99.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(((1 + 2 + 3) / 3 + 4) / 2)
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", max_len=8).item() == pytest.approx(10 / (2 * 8))
+    with pytest.raises(ValueError):
+        aggregate(loss, mask, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError):
+        aggregate(loss, mask, "nope")
+    assert aggregate(loss, torch.zeros_like(mask), "token-mean").item() == 0.0  # empty batch: no NaN
+
+
+def test_batch_version_exact_lag():
+    assert [batch_version(k, 1, 0) for k in range(4)] == [0, 1, 2, 3]
+    assert [batch_version(k, 1, 3) for k in range(6)] == [0, 0, 0, 0, 1, 2]
+    # s not a multiple of U: the first minibatch update of batch k still sees lag exactly s after warm-up
+    assert [batch_version(k, 4, 6) for k in range(5)] == [0, 0, 2, 6, 10]
+    assert all(k * 4 - batch_version(k, 4, 6) == 6 for k in range(2, 10))
