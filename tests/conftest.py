@@ -18,6 +18,27 @@ def default_tokenizer_path():
     return resolve_model(None)  # converts the embedded model once (cached outside the repo)
 
 
+def warm_start(model, tok, steps: int = 60):
+    """A few supervised steps on 1-digit sums so the random model answers with numbers: rewards then vary
+    within groups and the RL tests exercise real gradients (it stays far from accurate)."""
+    import random
+
+    from common.batching import collate, response_logprobs
+    from common.tasks import encode_prompt
+
+    rng = random.Random(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        pairs = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(16)]
+        prompts = [encode_prompt(tok, f"What is {a} + {b}? Reply with just the number.") for a, b in pairs]
+        answers = [tok(str(a + b))["input_ids"] + [tok.eos_token_id] for a, b in pairs]
+        logp, _ = response_logprobs(model, collate(prompts, answers, tok.pad_token_id), with_grad=False)
+        loss = -logp.sum() / sum(len(a) for a in answers)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory, default_tokenizer_path):
     """A randomly initialised 2-layer Llama with the default model's tokenizer and chat template."""
@@ -30,6 +51,7 @@ def tiny_model_path(tmp_path_factory, default_tokenizer_path):
                       pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
+    warm_start(model, tok)
     out = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -1,0 +1,213 @@
+"""grpo.py end to end in subprocesses on a tiny random Llama: invariants of the async loop, resume, failures."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, run_script
+from common.batching import collate, pad_float, response_logprobs
+from common.engine import HFEngine
+from common.models import load_model, load_tokenizer
+from common.tasks import encode_prompt, make_task
+from common.tracking import read_metrics
+from grpo import aggregate, clipped_surrogate, group_advantages
+
+FAST = ["--digits", "1", "--prompts-per-batch", "2", "--group-size", "4", "--max-new-tokens", "6", "--eval-size", "8",
+        "--eval-every", "2"]
+NOT_TIMING = lambda k: not (k.startswith("time/") or k.endswith("tokens_per_sec") or k == "async/queue_size")
+
+
+def metrics_of(cwd, name):
+    return read_metrics(cwd / "runs" / name / "metrics.jsonl")
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if NOT_TIMING(k)} for r in rows]
+
+
+def test_smoke_run_logs_every_metric(tiny_model_path, tmp_path):
+    proc = run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "3", "--run-name", "smoke",
+                      cwd=tmp_path)
+    assert "3/3" in proc.stdout and "done: 3 updates" in proc.stdout
+    rows = metrics_of(tmp_path, "smoke")
+    assert rows[0]["global_step"] == 0 and "eval/accuracy" in rows[0]
+    train = [r for r in rows if "losses/policy_loss" in r]
+    assert [r["global_step"] for r in train] == [1, 2, 3]
+    for key in ["charts/reward_mean", "charts/accuracy", "charts/response_length_mean", "charts/truncated_frac",
+                "charts/learning_rate", "charts/tokens_per_sec", "charts/gen_tokens_per_sec",
+                "charts/train_tokens_per_sec", "losses/policy_loss", "losses/kl", "losses/entropy",
+                "losses/clipfrac", "losses/approx_kl", "losses/ratio_mean", "losses/ratio_max",
+                "async/staleness_mean", "async/staleness_max", "async/policy_version", "async/queue_size",
+                "async/dropped_samples", "async/logprob_diff", "time/rollout", "time/train_step",
+                "time/weight_sync", "time/trainer_wait", "time/producer_wait"]:
+        assert all(key in r for r in train), key
+    assert (tmp_path / "runs" / "smoke" / "checkpoint.pt").is_file()
+
+
+def synchronous_reference(model_path, seed, updates, P=2, G=4, T=6, lr=2e-6, temperature=0.7):
+    """A plain synchronous GRPO loop (generate with the current weights, then update), written independently of
+    grpo.py's threading, in fp32. Returns the policy losses and mean rewards per update."""
+    torch.manual_seed(seed)
+    task = make_task("arithmetic", digits=1, eval_size=8, seed=seed)
+    tok = load_tokenizer(model_path)
+    policy = load_model(model_path)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+    engine = HFEngine(policy, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, dtype=torch.float32)
+    losses, rewards_out = [], []
+    for k in range(updates):
+        engine.load_weights(policy.named_parameters(), version=k)
+        rows = task.train_rows(k, P)
+        prompts = [encode_prompt(tok, task.prompt(r)) for r in rows for _ in range(G)]
+        outs = engine.generate(prompts, max_new_tokens=T, temperature=temperature, seed=seed * 1_000_003 + k)
+        texts = tok.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
+        rewards = torch.tensor([task.reward(t, rows[i // G]) for i, t in enumerate(texts)])
+        adv = group_advantages(rewards.view(-1, G)).view(-1)
+        idx = torch.randperm(P * G, generator=torch.Generator().manual_seed(seed * 7919 + k)).tolist()
+        batch = collate([prompts[i] for i in idx], [outs[i]["response"] for i in idx], tok.pad_token_id)
+        logp, _ = response_logprobs(policy, batch, temperature)
+        behav = pad_float([outs[i]["logprobs"] for i in idx], logp.shape[1])
+        loss_tok, _, _ = clipped_surrogate(logp, behav, adv[idx], 0.2)
+        loss = aggregate(loss_tok, batch["response_mask"], "token-mean")
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        rewards_out.append(rewards.mean().item())
+    return losses, rewards_out
+
+
+def test_staleness_zero_equals_synchronous_loop(tiny_model_path, tmp_path):
+    exact = ["--no-bf16", "--engine-dtype", "float32", "--learning-rate", "1e-3"]
+    run_script("grpo.py", "--model", tiny_model_path, *FAST, *exact, "--total-updates", "4", "--staleness", "0",
+               "--run-name", "s0", cwd=tmp_path)
+    rows = [r for r in metrics_of(tmp_path, "s0") if "losses/policy_loss" in r]
+    losses, rewards = synchronous_reference(tiny_model_path, seed=1, updates=4, lr=1e-3)
+    assert any(x != 0 for x in losses)  # advantages were non-zero: the comparison covers real updates
+    assert [r["losses/policy_loss"] for r in rows] == pytest.approx(losses, abs=1e-5)
+    assert [r["charts/reward_mean"] for r in rows] == pytest.approx(rewards)
+    # on-policy, fp32 engine and trainer: ratio is 1 up to rounding and the clip never fires
+    assert all(r["losses/clipfrac"] == 0.0 for r in rows)
+    assert all(r["async/logprob_diff"] < 1e-4 for r in rows)
+    assert all(abs(r["losses/ratio_mean"] - 1) < 1e-4 for r in rows)
+
+
+@pytest.mark.parametrize("s", [1, 3])
+def test_consumed_batches_have_exact_staleness(tiny_model_path, tmp_path, s):
+    run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "7", "--staleness", str(s),
+               "--eval-every", "0", "--run-name", f"s{s}", cwd=tmp_path)
+    rows = [r for r in metrics_of(tmp_path, f"s{s}") if "losses/policy_loss" in r]
+    stal = [r["async/staleness_max"] for r in rows]
+    assert stal[:s] == list(range(s))  # warm-up: the first s updates train on the initial policy's data
+    assert all(x == s for x in stal[s:]) and all(r["async/staleness_mean"] == r["async/staleness_max"] for r in rows)
+    assert "async/logprob_diff" in rows[0] and "async/logprob_diff" not in rows[-1]
+
+
+def test_staleness_not_multiple_of_updates_per_batch(tiny_model_path, tmp_path):
+    run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "8", "--updates-per-batch", "2",
+               "--staleness", "3", "--eval-every", "0", "--run-name", "u2s3", cwd=tmp_path)
+    stal = [r["async/staleness_max"] for r in metrics_of(tmp_path, "u2s3")]
+    # batch k is generated by version 2k - 3; its two minibatch updates see lags 3 and 4
+    assert stal == [0, 1, 2, 3, 3, 4, 3, 4]
+
+
+def test_same_seed_same_metrics(tiny_model_path, tmp_path):
+    for name in ("a", "b"):
+        run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "4", "--staleness", "2",
+                   "--run-name", name, cwd=tmp_path)
+    a = comparable(metrics_of(tmp_path, "a"))
+    assert a == comparable(metrics_of(tmp_path, "b"))
+    assert any(r.get("losses/grad_norm", 0) > 0 for r in a)
+
+
+def test_resume_reproduces_uninterrupted_run(tiny_model_path, tmp_path):
+    common = ["--model", tiny_model_path, *FAST, "--staleness", "2", "--updates-per-batch", "2"]
+    run_script("grpo.py", *common, "--total-updates", "8", "--run-name", "full", cwd=tmp_path)
+    run_script("grpo.py", *common, "--total-updates", "3", "--run-name", "part", cwd=tmp_path)  # stops mid-batch
+    ck = torch.load(tmp_path / "runs" / "part" / "checkpoint.pt", weights_only=False)
+    assert ck["update"] == 3 and len(ck["rollouts"]) >= 1  # the FIFO and the partial batch were saved
+    run_script("grpo.py", "--resume", str(tmp_path / "runs" / "part"), "--total-updates", "8", cwd=tmp_path)
+    resumed, full = comparable(metrics_of(tmp_path, "part")), comparable(metrics_of(tmp_path, "full"))
+    resumed[3] = {k: v for k, v in resumed[3].items() if not k.startswith("eval/")}  # the short run's final eval
+    assert resumed == full
+    assert any(r["losses/grad_norm"] > 0 for r in full[1:])  # real updates, not a trivially constant policy
+
+
+def test_producer_error_ends_the_run(tiny_model_path, tmp_path):
+    t0 = time.time()
+    proc = run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "20", "--staleness", "1",
+                      "--debug-fail-at-batch", "3", "--run-name", "fail", cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "injected producer failure at batch 3" in proc.stderr and "rollout producer failed" in proc.stderr
+    assert time.time() - t0 < 120
+    done = [r["global_step"] for r in metrics_of(tmp_path, "fail") if "losses/policy_loss" in r]
+    assert max(done) <= 3
+
+
+def test_ctrl_c_stops_cleanly_and_leaves_a_resumable_checkpoint(tiny_model_path, tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "algorithms" / "grpo.py"), "--model", tiny_model_path, *FAST,
+                             "--total-updates", "400", "--staleness", "2", "--eval-every", "0", "--run-name", "intr"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "] 2/400" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted at update" in out
+    ck = torch.load(tmp_path / "runs" / "intr" / "checkpoint.pt", weights_only=False)
+    n = ck["update"]
+    assert 2 <= n < 400
+    run_script("grpo.py", "--resume", str(tmp_path / "runs" / "intr"), "--total-updates", str(n + 2), cwd=tmp_path)
+    steps = [r["global_step"] for r in metrics_of(tmp_path, "intr") if "losses/policy_loss" in r]
+    assert steps == list(range(1, n + 3))
+
+
+def test_parameters_change_after_an_update(tiny_model_path, tmp_path):
+    run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "2", "--learning-rate", "1e-3",
+               "--prompts-per-batch", "6", "--run-name", "p", cwd=tmp_path)
+    assert any(r.get("losses/grad_norm", 0) > 0 for r in metrics_of(tmp_path, "p"))
+    ck = torch.load(tmp_path / "runs" / "p" / "checkpoint.pt", weights_only=False)
+    before = load_model(tiny_model_path).state_dict()
+    changed = [n for n, t in ck["model"].items() if not torch.equal(t, before[n])]
+    assert len(changed) > 0.5 * len(before)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--model", "/nonexistent/model"], "no such folder"),
+    (["--task", "chess"], "unknown; choose one of"),
+    (["--prompts-per-batch", "3", "--group-size", "4", "--updates-per-batch", "5"], "cannot be split"),
+    (["--staleness", "-1"], "--staleness must be >= 0"),
+    (["--group-size", "1"], "--group-size must be >= 2"),
+])
+def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
+    args = ["--model", tiny_model_path, *FAST, *flags] if "--model" not in flags else [*FAST, *flags]
+    proc = run_script("grpo.py", *args, cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_malformed_dataset_row_is_a_clear_error(tiny_model_path, tmp_path):
+    (tmp_path / "gsm").mkdir()
+    (tmp_path / "gsm" / "train.jsonl").write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n{broken\n")
+    (tmp_path / "gsm" / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n")
+    proc = run_script("grpo.py", "--model", tiny_model_path, "--task", "gsm8k", "--data-path", str(tmp_path / "gsm"),
+                      cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0 and "train.jsonl: row 2 is not valid JSON" in proc.stderr
+
+
+def test_gsm8k_trains_from_a_local_folder(tiny_model_path, tmp_path):
+    rows = [{"question": f"Tom has {i} apples and buys 2. How many?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}
+            for i in range(12)]
+    (tmp_path / "gsm").mkdir()
+    for split in ("train", "test"):
+        (tmp_path / "gsm" / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    run_script("grpo.py", "--model", tiny_model_path, *FAST, "--task", "gsm8k", "--data-path", str(tmp_path / "gsm"),
+               "--total-updates", "2", "--run-name", "g", cwd=tmp_path)
+    assert "eval/accuracy" in metrics_of(tmp_path, "g")[-1]
