@@ -267,10 +267,11 @@ if __name__ == "__main__":
                 if k == args.debug_fail_at_batch:
                     raise RuntimeError(f"injected producer failure at batch {k} (--debug-fail-at-batch)")
                 rows = task.train_rows(k, args.prompts_per_batch)
-                prompts = [encode(row) for row in rows for _ in range(args.group_size)]
+                unique = [encode(row) for row in rows]
+                prompts = [p for p in unique for _ in range(args.group_size)]
                 t0 = time.time()
-                outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                       top_p=args.top_p, seed=args.seed * 1_000_003 + k)
+                outs = engine.generate(unique, n=args.group_size, max_new_tokens=args.max_new_tokens,
+                                       temperature=args.temperature, top_p=args.top_p, seed=args.seed * 1_000_003 + k)
                 gen_time = time.time() - t0
                 texts = tokenizer.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
                 rewards = [task.reward(t, rows[i // args.group_size]) for i, t in enumerate(texts)]

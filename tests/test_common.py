@@ -220,6 +220,24 @@ def test_engine_logprobs_match_trainer(tiny):
         assert diff.mean() < tol, (dtype, diff.mean())
 
 
+def test_shared_prefill_matches_repeated_prompts(tiny):
+    """n samples per prompt (one prefill, repeated KV cache) give the same log-probs as repeating the prompt."""
+    model, tok = tiny
+    engine = HFEngine(model, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, dtype=torch.float32)
+    prompts = tiny_prompts(tok, 3)
+    shared = engine.generate(prompts, n=4, max_new_tokens=8, temperature=0.9, seed=5)
+    assert len(shared) == 12
+    repeated = [p for p in prompts for _ in range(4)]
+    batch = collate(repeated, [o["response"] for o in shared], tok.pad_token_id)
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, batch, temperature=0.9, with_grad=False)
+    behav = pad_float([o["logprobs"] for o in shared], logp.shape[1])
+    assert (logp - behav).abs()[batch["response_mask"]].max() < 1e-4
+    greedy_shared = engine.generate(prompts, n=2, max_new_tokens=8, greedy=True)
+    greedy_rep = engine.generate(repeated[::2], max_new_tokens=8, greedy=True)
+    assert [o["response"] for o in greedy_shared] == [o["response"] for o in greedy_rep]
+
+
 def test_engine_weight_sync(tiny):
     model, tok = tiny
     engine = HFEngine(model, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, dtype=torch.float32)

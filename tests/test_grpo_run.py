@@ -63,8 +63,9 @@ def synchronous_reference(model_path, seed, updates, P=2, G=4, T=6, lr=2e-6, tem
     for k in range(updates):
         engine.load_weights(policy.named_parameters(), version=k)
         rows = task.train_rows(k, P)
-        prompts = [encode_prompt(tok, task.prompt(r)) for r in rows for _ in range(G)]
-        outs = engine.generate(prompts, max_new_tokens=T, temperature=temperature, seed=seed * 1_000_003 + k)
+        unique = [encode_prompt(tok, task.prompt(r)) for r in rows]
+        prompts = [p for p in unique for _ in range(G)]
+        outs = engine.generate(unique, n=G, max_new_tokens=T, temperature=temperature, seed=seed * 1_000_003 + k)
         texts = tok.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
         rewards = torch.tensor([task.reward(t, rows[i // G]) for i, t in enumerate(texts)])
         adv = group_advantages(rewards.view(-1, G)).view(-1)

@@ -1,0 +1,85 @@
+"""Seconds per GRPO update on the default model: generation, trainer step and weight sync, with a roofline.
+
+    python reproduce/speed/benchmark_update.py            # 8 prompts x 8 samples x 16 new tokens
+
+Prints median timings over --repeats measured updates (after one warm-up) and the bf16-matmul floor.
+"""
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+import tyro
+
+from common.batching import collate, pad_float, response_logprobs
+from common.engine import HFEngine
+from common.models import load_model, load_tokenizer, resolve_model
+from common.tasks import encode_prompt, make_task
+
+
+@dataclass
+class Args:
+    model: str = "default"
+    """model folder, hub id or 'default'"""
+    prompts: int = 8
+    """prompts per batch"""
+    group_size: int = 8
+    """samples per prompt"""
+    max_new_tokens: int = 16
+    """new tokens per sample (generation runs to this length: EOS is ignored for a fixed workload)"""
+    repeats: int = 3
+    """measured updates (after one warm-up)"""
+    gflops: float = 330.0
+    """assumed bf16 matmul throughput of this machine for the roofline (GFLOP/s)"""
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    path = resolve_model(args.model)
+    tok, policy = load_tokenizer(path), load_model(path)
+    engine = HFEngine(policy, eos_ids=[-1], pad_id=tok.pad_token_id)  # no EOS: every sample has full length
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    task = make_task("arithmetic", eval_size=10)
+    n_params = sum(p.numel() for p in policy.parameters())
+    rows = {"generate": [], "train_step": [], "weight_sync": []}
+    for rep in range(args.repeats + 1):
+        prompts = [encode_prompt(tok, task.prompt(r)) for r in task.train_rows(rep, args.prompts)]
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, n=args.group_size, max_new_tokens=args.max_new_tokens, temperature=0.7, seed=rep)
+        t1 = time.perf_counter()
+        batch = collate([p for p in prompts for _ in range(args.group_size)], [o["response"] for o in outs],
+                        tok.pad_token_id)
+        behav = pad_float([o["logprobs"] for o in outs], batch["response_mask"].shape[1])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, _ = response_logprobs(policy, batch, 0.7)
+            loss = -(torch.exp(logp - behav) * batch["response_mask"]).sum() / batch["response_mask"].sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        t2 = time.perf_counter()
+        engine.load_weights([(n, p.detach().to(torch.bfloat16)) for n, p in policy.named_parameters()], rep + 1)
+        t3 = time.perf_counter()
+        if rep:  # the first round is a warm-up
+            for k, v in zip(rows, (t1 - t0, t2 - t1, t3 - t2)):
+                rows[k].append(v)
+    prompt_tokens = sum(len(p) for p in prompts) * args.group_size
+    gen_tokens = args.prompts * args.group_size * args.max_new_tokens
+    train_tokens = int(batch["attention_mask"].sum())
+    floor_gen = 2 * n_params * (prompt_tokens / args.group_size + gen_tokens) / (args.gflops * 1e9)
+    floor_train = 6 * n_params * train_tokens / (args.gflops * 1e9)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"model {path} ({n_params / 1e6:.1f}M params), {args.prompts} prompts x {args.group_size} samples x "
+          f"{args.max_new_tokens} new tokens, torch threads {torch.get_num_threads()}")
+    print(f"generate     {med['generate']:6.2f} s   {gen_tokens / med['generate']:7.1f} new tokens/s   "
+          f"(floor {floor_gen:.2f} s: 2*N*(prefill {prompt_tokens // args.group_size} + decode {gen_tokens}) tokens)")
+    print(f"train step   {med['train_step']:6.2f} s   {train_tokens / med['train_step']:7.1f} tokens/s   "
+          f"(floor {floor_train:.2f} s: 6*N*{train_tokens} tokens)")
+    print(f"weight sync  {med['weight_sync']:6.2f} s")
+    total = sum(med.values())
+    print(f"update total {total:6.2f} s   (roofline floor {floor_gen + floor_train:.2f} s at {args.gflops:.0f} GFLOP/s)")
