@@ -316,13 +316,14 @@ if __name__ == "__main__":
     thread.start()
 
     # ---------------------------------------------------------------- shared plumbing: evaluation
+    eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
+
     @torch.no_grad()
     def evaluate(step: int) -> dict:
         policy.eval()
-        prompts = [encode(row) for row in task.eval_rows]
-        responses, correct, truncated = [], [], []
-        for i in range(0, len(prompts), args.gen_batch_size):
-            r, _, tr = sample(policy, prompts[i:i + args.gen_batch_size], max_new_tokens=args.max_new_tokens,
+        responses, truncated = [], []
+        for i in range(0, len(eval_prompts), args.gen_batch_size):
+            r, _, tr = sample(policy, eval_prompts[i:i + args.gen_batch_size], max_new_tokens=args.max_new_tokens,
                               eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, greedy=True, autocast=args.bf16)
             responses += r
             truncated += tr
