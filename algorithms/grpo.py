@@ -86,6 +86,8 @@ class Args:
     """resume from a checkpoint.pt (or its run folder); the run continues in that folder"""
     gen_batch_size: int = 64
     """maximum sequences per engine forward pass"""
+    micro_batch_size: int = 32
+    """sequences per trainer forward/backward (gradients accumulate over a minibatch; bounds activation memory)"""
     logprob_chunk_tokens: int = 1024
     """tokens per chunk when computing log-probs (bounds the [tokens x vocab] logits memory)"""
     debug_fail_at_batch: int = -1
@@ -141,18 +143,25 @@ def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     return torch.exp(-d) + d - 1.0
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None) -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None,
+              num_seqs: int | None = None, num_tokens: int | None = None) -> torch.Tensor:
     """Reduce a [B, T] per-token loss: 'token-mean' (sum / #tokens), 'seq-mean-token-mean' (per-sequence mean,
-    then mean over sequences: original GRPO), 'seq-mean-token-sum-norm' (sum / (B * max_len): Dr. GRPO)."""
+    then mean over sequences: original GRPO), 'seq-mean-token-sum-norm' (sum / (B * max_len): Dr. GRPO).
+
+    ``num_seqs`` / ``num_tokens`` are the minibatch's sequence and token counts when ``loss`` is one
+    micro-batch of it (default: this tensor's own): the micro-batch results then sum to the minibatch's.
+    """
     m = mask.to(loss.dtype)
+    n_seqs = loss.shape[0] if num_seqs is None else num_seqs
     if mode == "token-mean":
-        return (loss * m).sum() / m.sum().clamp(min=1.0)
+        n_tok = m.sum() if num_tokens is None else torch.tensor(float(num_tokens))
+        return (loss * m).sum() / n_tok.clamp(min=1.0)
     if mode == "seq-mean-token-mean":
-        return ((loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+        return ((loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / max(n_seqs, 1)
     if mode == "seq-mean-token-sum-norm":
         if not max_len:
             raise ValueError("seq-mean-token-sum-norm needs max_len")
-        return (loss * m).sum() / (loss.shape[0] * max_len)
+        return (loss * m).sum() / (max(n_seqs, 1) * max_len)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
@@ -168,8 +177,10 @@ if __name__ == "__main__":
         raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
     if args.group_size < 2:
         raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
-    if min(args.prompts_per_batch, args.updates_per_batch, args.total_updates, args.max_new_tokens) < 1:
-        raise SystemExit("--prompts-per-batch, --updates-per-batch, --total-updates and --max-new-tokens must be >= 1")
+    if min(args.prompts_per_batch, args.updates_per_batch, args.total_updates, args.max_new_tokens,
+           args.micro_batch_size) < 1:
+        raise SystemExit("--prompts-per-batch, --updates-per-batch, --total-updates, --max-new-tokens and "
+                         "--micro-batch-size must be >= 1")
     args.batch_size = args.prompts_per_batch * args.group_size
     if args.batch_size % args.updates_per_batch:
         raise SystemExit(f"batch of {args.prompts_per_batch} prompts x {args.group_size} samples = {args.batch_size} "
@@ -357,26 +368,36 @@ if __name__ == "__main__":
             rewards = torch.tensor(batch["rewards"], dtype=torch.float32)
             adv = group_advantages(rewards.view(-1, args.group_size), args.scale_std, args.adv_eps).view(-1)
             order = torch.randperm(args.batch_size, generator=torch.Generator().manual_seed(args.seed * 7919 + k))
-            idx = order[j * args.minibatch_size:(j + 1) * args.minibatch_size].tolist()
-            outs = [batch["outs"][i] for i in idx]
-            mb = collate([batch["prompts"][i] for i in idx], [o["response"] for o in outs], tokenizer.pad_token_id)
-            mask = mb["response_mask"]
-            logp_behav = pad_float([o["logprobs"] for o in outs], mask.shape[1])
+            idx = sorted(order[j * args.minibatch_size:(j + 1) * args.minibatch_size].tolist())  # sorted: groups adjacent
+            n_seqs, n_tokens = len(idx), sum(len(batch["outs"][i]["response"]) for i in idx)
             t0 = time.time()
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(update)
-            with autocast():
-                logp, entropy = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens)
-                loss_tok, ratio, clipped = clipped_surrogate(logp, logp_behav, adv[idx], args.clip_eps)
-                kl = torch.zeros_like(loss_tok)
-                if ref_model is not None:
-                    with torch.no_grad():
-                        logp_ref, _ = response_logprobs(ref_model, mb, args.temperature, args.logprob_chunk_tokens,
-                                                        with_grad=False)
-                    kl = k3_kl(logp, logp_ref)
-                loss = aggregate(loss_tok + args.kl_coef * kl, mask, args.loss_agg, args.max_new_tokens)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            tok = {key: [] for key in ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy")}
+            policy_loss, seen_tokens = 0.0, 0
+            for micro in (idx[i:i + args.micro_batch_size] for i in range(0, n_seqs, args.micro_batch_size)):
+                outs = [batch["outs"][i] for i in micro]
+                mb = collate([batch["prompts"][i] for i in micro], [o["response"] for o in outs], tokenizer.pad_token_id)
+                mask = mb["response_mask"]
+                logp_behav = pad_float([o["logprobs"] for o in outs], mask.shape[1])
+                with autocast():
+                    logp, entropy = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens)
+                    loss_tok, ratio, clipped = clipped_surrogate(logp, logp_behav, adv[micro], args.clip_eps)
+                    kl = torch.zeros_like(loss_tok)
+                    if ref_model is not None:
+                        with torch.no_grad():
+                            logp_ref, _ = response_logprobs(ref_model, mb, args.temperature,
+                                                            args.logprob_chunk_tokens, with_grad=False)
+                        kl = k3_kl(logp, logp_ref)
+                    loss = aggregate(loss_tok + args.kl_coef * kl, mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens)
+                loss.backward()  # micro-batch losses sum to the minibatch loss: the gradients accumulate to its gradient
+                policy_loss += aggregate(loss_tok.detach(), mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens).item()
+                seen_tokens += int(mb["attention_mask"].sum())
+                for key, v in (("logp", logp), ("logp_behav", logp_behav), ("ratio", ratio), ("clipped", clipped),
+                               ("kl", kl), ("entropy", entropy)):
+                    tok[key].append(v.detach()[mask])
+            tok = {key: torch.cat(v) for key, v in tok.items()}  # every response token of the minibatch, flattened
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             optimizer.step()
             update += 1  # the policy is now version `update`
@@ -397,28 +418,26 @@ if __name__ == "__main__":
             if j == U - 1:
                 pending = []
             # ---- logging
-            m = mask.float()
-            ntok = m.sum().clamp(min=1)
-            trained_tokens += int(m.sum().item())
-            lengths = m.sum(-1)
+            trained_tokens += n_tokens
             staleness = (update - 1) - batch["version"]
             gen_tokens = sum(len(o["response"]) for o in batch["outs"])
+            mean = lambda x: x.float().mean().item() if x.numel() else 0.0
             metrics = {
                 "charts/reward_mean": float(np.mean([batch["rewards"][i] for i in idx])),
                 "charts/accuracy": float(np.mean([batch["rewards"][i] == 1.0 for i in idx])),
-                "charts/response_length_mean": lengths.mean().item(),
-                "charts/truncated_frac": float(np.mean([o["truncated"] for o in outs])),
+                "charts/response_length_mean": n_tokens / n_seqs,
+                "charts/truncated_frac": float(np.mean([batch["outs"][i]["truncated"] for i in idx])),
                 "charts/learning_rate": optimizer.param_groups[0]["lr"],
                 "charts/gen_tokens_per_sec": gen_tokens / max(batch["gen_time"], 1e-9),
-                "charts/train_tokens_per_sec": mb["attention_mask"].sum().item() / max(train_time, 1e-9),
+                "charts/train_tokens_per_sec": seen_tokens / max(train_time, 1e-9),
                 "charts/tokens_per_sec": trained_tokens / max(time.time() - start_time, 1e-9),
-                "losses/policy_loss": aggregate(loss_tok.detach(), mask, args.loss_agg, args.max_new_tokens).item(),
-                "losses/kl": ((kl.detach() * m).sum() / ntok).item(),
-                "losses/entropy": ((entropy * m).sum() / ntok).item(),
-                "losses/clipfrac": ((clipped.float() * m).sum() / ntok).item(),
-                "losses/approx_kl": ((((ratio.detach() - 1) - (logp.detach() - logp_behav)) * m).sum() / ntok).item(),
-                "losses/ratio_mean": ((ratio.detach() * m).sum() / ntok).item(),
-                "losses/ratio_max": ratio.detach()[mask].max().item() if mask.any() else 1.0,
+                "losses/policy_loss": policy_loss,
+                "losses/kl": mean(tok["kl"]),
+                "losses/entropy": mean(tok["entropy"]),
+                "losses/clipfrac": mean(tok["clipped"]),
+                "losses/approx_kl": mean((tok["ratio"] - 1) - (tok["logp"] - tok["logp_behav"])),
+                "losses/ratio_mean": mean(tok["ratio"]),
+                "losses/ratio_max": tok["ratio"].max().item() if tok["ratio"].numel() else 1.0,
                 "losses/grad_norm": grad_norm.item(),
                 "async/staleness_mean": float(staleness),
                 "async/staleness_max": float(staleness),
@@ -432,7 +451,7 @@ if __name__ == "__main__":
                 "time/producer_wait": batch["producer_wait"],
             }
             if staleness == 0:  # freshly synced data: engine and trainer log-probs should agree
-                diff = (logp.detach() - logp_behav).abs()[mask]
+                diff = (tok["logp"] - tok["logp_behav"]).abs()
                 metrics["async/logprob_diff"] = diff.mean().item() if diff.numel() else 0.0
                 metrics["async/logprob_diff_max"] = diff.max().item() if diff.numel() else 0.0
             if args.eval_every > 0 and (update % args.eval_every == 0 or update == args.total_updates):

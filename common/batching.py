@@ -7,8 +7,15 @@ from common.engine import left_pad, position_ids_from_mask
 
 
 def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict:
-    """[left-padded prompt | right-padded response] tensors. ``response_mask`` marks real response tokens."""
+    """[left-padded prompt | right-padded response] tensors. ``response_mask`` marks real response tokens.
+
+    Also the distinct prompts (``unique_ids``/``unique_mask``, left-padded to the same width) and each
+    sample's row among them (``prompt_index``), so a group's shared prompt can be run once.
+    """
     p_ids, p_mask = left_pad(prompts, pad_id)
+    first: dict[tuple, int] = {}
+    prompt_index = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts], dtype=torch.long)
+    rows = torch.stack([(prompt_index == u).nonzero()[0, 0] for u in range(len(first))])  # first sample of each
     R = max(1, max(len(r) for r in responses))
     r_ids = torch.full((len(responses), R), pad_id, dtype=torch.long)
     r_mask = torch.zeros((len(responses), R), dtype=torch.long)
@@ -17,7 +24,8 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -
         r_mask[i, :len(r)] = 1
     mask = torch.cat([p_mask, r_mask], 1)
     return dict(input_ids=torch.cat([p_ids, r_ids], 1), attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                response_ids=r_ids, response_mask=r_mask.bool(), prompt_len=p_ids.shape[1])
+                response_ids=r_ids, response_mask=r_mask.bool(), prompt_len=p_ids.shape[1],
+                unique_ids=p_ids[rows], unique_mask=p_mask[rows], prompt_index=prompt_index)
 
 
 def pad_float(rows: list[list[float]], width: int) -> torch.Tensor:
@@ -37,20 +45,43 @@ def _chunk_logp_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     return logp, entropy
 
 
+def response_hidden(model, batch: dict, share_prompts: bool = True) -> torch.Tensor:
+    """Final hidden states that predict each response token: [B, R, H] (position j predicts response token j).
+
+    With ``share_prompts`` each distinct prompt runs once and its KV cache is gathered for every sample of
+    it, then only the response tokens run (same attention as the full sequence: causal, left padding
+    masked). For a group of G samples this cuts the prompt's share of the compute (and activations) by G.
+    Gradients flow through the gathered cache back into the prompt pass, so they are the full-sequence ones.
+    """
+    P, R = batch["prompt_len"], batch["response_mask"].shape[1]
+    base = getattr(model, model.base_model_prefix)
+    if not share_prompts or len(batch["unique_ids"]) == len(batch["prompt_index"]):
+        return base(input_ids=batch["input_ids"][:, :P + R - 1], attention_mask=batch["attention_mask"][:, :P + R - 1],
+                    position_ids=batch["position_ids"][:, :P + R - 1]).last_hidden_state[:, P - 1:]
+    idx = batch["prompt_index"]
+    out = base(input_ids=batch["unique_ids"], attention_mask=batch["unique_mask"],
+               position_ids=position_ids_from_mask(batch["unique_mask"]), use_cache=True)
+    first = out.last_hidden_state[:, -1:][idx]  # predicts response token 0
+    if R == 1:
+        return first
+    past = out.past_key_values
+    past.reorder_cache(idx)  # index_select per layer: differentiable, one cache row per sample
+    rest = base(input_ids=batch["response_ids"][:, :R - 1], attention_mask=batch["attention_mask"][:, :P + R - 1],
+                position_ids=batch["position_ids"][:, P:P + R - 1], past_key_values=past, use_cache=True)
+    return torch.cat([first, rest.last_hidden_state], 1)
+
+
 def response_logprobs(model, batch: dict, temperature: float = 1.0, chunk_tokens: int = 1024,
-                      with_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      with_grad: bool = True, share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (and entropies) of the response tokens under ``model`` at ``temperature``.
 
-    The LM head runs on at most ``chunk_tokens`` real response tokens at a time and is recomputed in
-    the backward pass (activation checkpointing), so the [tokens x vocab] logits never exist for the
-    whole batch. Returns two [B, R] float32 tensors, zero where ``response_mask`` is False.
+    The transformer runs as in ``response_hidden`` (shared prompts by default). The LM head runs on at
+    most ``chunk_tokens`` real response tokens at a time and is recomputed in the backward pass
+    (activation checkpointing), so the [tokens x vocab] logits never exist for the whole batch.
+    Returns two [B, R] float32 tensors, zero where ``response_mask`` is False.
     """
-    P, mask = batch["prompt_len"], batch["response_mask"]
-    R = mask.shape[1]
-    base = getattr(model, model.base_model_prefix)
-    hidden = base(input_ids=batch["input_ids"][:, :P + R - 1], attention_mask=batch["attention_mask"][:, :P + R - 1],
-                  position_ids=batch["position_ids"][:, :P + R - 1]).last_hidden_state[:, P - 1:]
-    h = hidden[mask]
+    mask = batch["response_mask"]
+    h = response_hidden(model, batch, share_prompts)[mask]
     targets = batch["response_ids"][mask]
     weight = model.get_output_embeddings().weight
     lps, ents = [], []

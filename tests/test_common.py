@@ -260,6 +260,9 @@ def test_collate_layout():
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
     assert b["response_mask"].tolist() == [[True, True, False], [True, True, True]]
     assert b["prompt_len"] == 3 and b["position_ids"][1].tolist()[2:] == [0, 1, 2, 3]
+    g = collate([[4], [1, 2, 3], [4], [1, 2, 3]], [[5], [6], [7], [8]], pad_id=0)
+    assert g["prompt_index"].tolist() == [0, 1, 0, 1]
+    assert g["unique_ids"].tolist() == [[0, 0, 4], [1, 2, 3]] and g["unique_mask"].tolist() == [[0, 0, 1], [1, 1, 1]]
     assert pad_float([[0.5], [1.0, 2.0]], 3).tolist() == [[0.5, 0, 0], [1.0, 2.0, 0]]
 
 
@@ -280,6 +283,32 @@ def test_response_logprobs_match_full_log_softmax(tiny):
     logp.sum().backward()  # gradients flow through the checkpointed chunks
     assert model.get_output_embeddings().weight.grad is not None
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("responses", [
+    [[10, 11, 12], [13], [14, 15], [16, 17, 18, 19], [20], [21, 22]],  # ragged responses
+    [[10], [11], [12], [13], [14], [15]],  # one token each: only the prompt pass
+])
+def test_shared_prompt_pass_matches_full_sequences(tiny, responses):
+    """Running each distinct prompt once and gathering its KV cache gives the full-sequence log-probs and
+    gradients (fp32), with prompts of different lengths (left padding) in the same batch."""
+    model, tok = tiny
+    u = tiny_prompts(tok, 2) + [encode_prompt(tok, "What is 100 + 2000? Reply with just the number.")]
+    prompts = [u[i] for i in (0, 2, 1, 0, 2, 2)]
+    batch = collate(prompts, responses, tok.pad_token_id)
+    assert len(batch["unique_ids"]) == 3 and len(set(map(len, u))) > 1
+    results = []
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        logp, ent = response_logprobs(model, batch, temperature=0.8, share_prompts=share)
+        (logp * torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)).sum().backward()
+        results.append((logp.detach(), ent, [p.grad.clone() for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
+    (lp_s, ent_s, g_s), (lp_f, ent_f, g_f) = results
+    torch.testing.assert_close(lp_s, lp_f, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_s, ent_f, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_s, g_f):  # fp32 summation order differs: compare relative to the gradient's norm
+        assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8
 
 
 # ------------------------------------------------------------------ tracking and checkpoints

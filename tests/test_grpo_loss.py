@@ -107,6 +107,19 @@ def test_aggregation_modes_with_padding():
     assert aggregate(loss, torch.zeros_like(mask), "token-mean").item() == 0.0  # empty batch: no NaN
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_aggregates_sum_to_the_minibatch_value(mode):
+    """Gradient accumulation: each micro-batch normalised by the minibatch's counts sums to the whole value."""
+    g = torch.Generator().manual_seed(0)
+    loss = torch.randn(7, 5, generator=g)
+    lengths = torch.tensor([5, 1, 3, 4, 2, 5, 1])
+    mask = torch.arange(5)[None] < lengths[:, None]
+    whole = aggregate(loss, mask, mode, max_len=6)
+    parts = sum(aggregate(loss[i:i + 3], mask[i:i + 3], mode, 6, num_seqs=7, num_tokens=int(mask.sum()))
+                for i in range(0, 7, 3))
+    assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
+
+
 def test_batch_version_exact_lag():
     assert [batch_version(k, 1, 0) for k in range(4)] == [0, 1, 2, 3]
     assert [batch_version(k, 1, 3) for k in range(6)] == [0, 0, 0, 0, 1, 2]

@@ -32,6 +32,8 @@ class Args:
     """samples per prompt"""
     max_new_tokens: int = 16
     """new tokens per sample (generation runs to this length: EOS is ignored for a fixed workload)"""
+    micro_batch_size: int = 32
+    """sequences per forward/backward (gradient accumulation, as grpo.py --micro-batch-size)"""
     repeats: int = 3
     """measured updates (after one warm-up)"""
     gflops: float = 330.0
@@ -52,14 +54,17 @@ if __name__ == "__main__":
         t0 = time.perf_counter()
         outs = engine.generate(prompts, n=args.group_size, max_new_tokens=args.max_new_tokens, temperature=0.7, seed=rep)
         t1 = time.perf_counter()
-        batch = collate([p for p in prompts for _ in range(args.group_size)], [o["response"] for o in outs],
-                        tok.pad_token_id)
-        behav = pad_float([o["logprobs"] for o in outs], batch["response_mask"].shape[1])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logp, _ = response_logprobs(policy, batch, 0.7)
-            loss = -(torch.exp(logp - behav) * batch["response_mask"]).sum() / batch["response_mask"].sum()
+        B = len(outs)
         opt.zero_grad()
-        loss.backward()
+        for i in range(0, B, args.micro_batch_size):  # micro-batches of whole groups, as grpo.py forms them
+            sub = outs[i:i + args.micro_batch_size]
+            batch = collate([prompts[j // args.group_size] for j in range(i, i + len(sub))], [o["response"] for o in sub],
+                            tok.pad_token_id)
+            behav = pad_float([o["logprobs"] for o in sub], batch["response_mask"].shape[1])
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logp, _ = response_logprobs(policy, batch, 0.7)
+                loss = -(torch.exp(logp - behav) * batch["response_mask"]).sum() / (B * args.max_new_tokens)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         t2 = time.perf_counter()
@@ -70,16 +75,18 @@ if __name__ == "__main__":
                 rows[k].append(v)
     prompt_tokens = sum(len(p) for p in prompts) * args.group_size
     gen_tokens = args.prompts * args.group_size * args.max_new_tokens
-    train_tokens = int(batch["attention_mask"].sum())
+    train_tokens = sum(len(p) for p in prompts) * args.group_size + gen_tokens
     floor_gen = 2 * n_params * (prompt_tokens / args.group_size + gen_tokens) / (args.gflops * 1e9)
-    floor_train = 6 * n_params * train_tokens / (args.gflops * 1e9)
+    computed_tokens = prompt_tokens // args.group_size + gen_tokens  # each group's prompt runs once
+    floor_train = 6 * n_params * computed_tokens / (args.gflops * 1e9)
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"model {path} ({n_params / 1e6:.1f}M params), {args.prompts} prompts x {args.group_size} samples x "
-          f"{args.max_new_tokens} new tokens, torch threads {torch.get_num_threads()}")
+          f"{args.max_new_tokens} new tokens, micro-batch {args.micro_batch_size}, torch threads {torch.get_num_threads()}")
     print(f"generate     {med['generate']:6.2f} s   {gen_tokens / med['generate']:7.1f} new tokens/s   "
           f"(floor {floor_gen:.2f} s: 2*N*(prefill {prompt_tokens // args.group_size} + decode {gen_tokens}) tokens)")
     print(f"train step   {med['train_step']:6.2f} s   {train_tokens / med['train_step']:7.1f} tokens/s   "
-          f"(floor {floor_train:.2f} s: 6*N*{train_tokens} tokens)")
+          f"(floor {floor_train:.2f} s: 6*N*(prompts {prompt_tokens // args.group_size} + responses {gen_tokens}) "
+          f"tokens; {train_tokens} without prompt sharing)")
     print(f"weight sync  {med['weight_sync']:6.2f} s")
     total = sum(med.values())
     print(f"update total {total:6.2f} s   (roofline floor {floor_gen + floor_train:.2f} s at {args.gflops:.0f} GFLOP/s)")
