@@ -144,14 +144,32 @@ def test_micro_batching_does_not_change_the_update(tiny_model_path, tmp_path):
 def test_resume_reproduces_uninterrupted_run(tiny_model_path, tmp_path):
     common = ["--model", tiny_model_path, *FAST, "--staleness", "2", "--updates-per-batch", "2"]
     run_script("grpo.py", *common, "--total-updates", "8", "--run-name", "full", cwd=tmp_path)
-    run_script("grpo.py", *common, "--total-updates", "3", "--run-name", "part", cwd=tmp_path)  # stops mid-batch
+    part = run_script("grpo.py", *common, "--total-updates", "8", "--debug-interrupt-at", "3", "--run-name", "part",
+                      cwd=tmp_path, check=False)  # interrupted mid-batch
+    assert part.returncode == 130, part.stderr[-2000:]
     ck = torch.load(tmp_path / "runs" / "part" / "checkpoint.pt", weights_only=False)
     assert ck["update"] == 3 and len(ck["rollouts"]) >= 1  # the FIFO and the partial batch were saved
-    run_script("grpo.py", "--resume", str(tmp_path / "runs" / "part"), "--total-updates", "8", cwd=tmp_path)
+    run_script("grpo.py", "--resume", str(tmp_path / "runs" / "part"), cwd=tmp_path)
     resumed, full = comparable(metrics_of(tmp_path, "part")), comparable(metrics_of(tmp_path, "full"))
-    resumed[3] = {k: v for k, v in resumed[3].items() if not k.startswith("eval/")}  # the short run's final eval
     assert resumed == full
     assert any(r["losses/grad_norm"] > 0 for r in full[1:])  # real updates, not a trivially constant policy
+
+
+def test_weights_are_kept_only_for_versions_the_run_needs(tiny_model_path, tmp_path):
+    """With staleness s the last batches are generated early; the trainer must not pile up weight payloads for
+    versions no batch of the run uses (each is a full copy of the weights)."""
+    common = ["--model", tiny_model_path, *FAST, "--staleness", "3", "--eval-every", "0"]
+    run_script("grpo.py", *common, "--total-updates", "6", "--run-name", "s3", cwd=tmp_path)
+    ck = torch.load(tmp_path / "runs" / "s3" / "checkpoint.pt", weights_only=False)
+    assert ck["pending_weights"] == []
+    # extending that run would need version 3's weights for batch 6: refused with a message
+    proc = run_script("grpo.py", "--resume", str(tmp_path / "runs" / "s3"), "--total-updates", "8", cwd=tmp_path,
+                      check=False)
+    assert proc.returncode != 0 and "did not keep" in proc.stderr and "--total-updates" in proc.stderr
+    # at s = 0 the only version an extension needs is the checkpoint's own: extending works
+    run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "2", "--run-name", "s0", cwd=tmp_path)
+    run_script("grpo.py", "--resume", str(tmp_path / "runs" / "s0"), "--total-updates", "4", cwd=tmp_path)
+    assert [r["global_step"] for r in metrics_of(tmp_path, "s0") if "losses/policy_loss" in r] == [1, 2, 3, 4]
 
 
 def test_producer_error_ends_the_run(tiny_model_path, tmp_path):
