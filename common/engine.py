@@ -4,6 +4,9 @@ The engine owns its own copy of the weights (bf16 by default), as a separate inf
 would; ``load_weights`` is the weight sync from the trainer. ``generate`` returns, per sequence,
 the sampled response ids, the log-prob of every sampled token under the distribution actually
 sampled from (logits / temperature, after top-p), and the weight version that produced it.
+An optional ``before_step`` callback runs before every decoding step and may load new weights
+there (interruptible generation): each token then records the version that sampled it. The
+KV cache of the tokens already processed is kept (not recomputed under the new weights).
 """
 
 import copy
@@ -42,11 +45,13 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
 @torch.inference_mode()
 def sample(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: list[int], pad_id: int,
            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-           generator: torch.Generator | None = None, autocast: bool = True, n: int = 1):
+           generator: torch.Generator | None = None, autocast: bool = True, n: int = 1, before_step=None):
     """Sample ``n`` responses per prompt (prompt-major order). Returns (responses, logprobs, truncated) lists.
 
     The prompts are prefilled once and their KV cache is repeated n times (a group shares its prefix).
-    Greedy decoding reports the log-probs of the temperature-1 distribution.
+    Greedy decoding reports the log-probs of the temperature-1 distribution. ``before_step(t)``, if given,
+    is called before decoding step t (t = 0 is the prefill), i.e. before response token t is sampled; it may
+    change the model's weights in place, which then sample token t onwards (the cache of earlier tokens stays).
     """
     ids, mask = left_pad(prompts, pad_id)
     B = ids.shape[0] * n
@@ -57,7 +62,9 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: lis
     cur_ids, cur_pos = ids, position_ids_from_mask(mask)
     base, head = getattr(model, model.base_model_prefix), model.get_output_embeddings()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and ids.device.type == "cpu"):
-        for _ in range(max_new_tokens):
+        for t in range(max_new_tokens):
+            if before_step is not None:
+                before_step(t)
             out = base(input_ids=cur_ids, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
                        use_cache=True)
             past = out.past_key_values
@@ -115,14 +122,29 @@ class HFEngine:
         self.version = version
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, greedy: bool = False, seed: int | None = None, n: int = 1) -> list[dict]:
-        """``n`` samples per prompt, prompt-major. Each dict: response, logprobs, truncated, version."""
+                 top_p: float = 1.0, greedy: bool = False, seed: int | None = None, n: int = 1,
+                 before_step=None) -> list[dict]:
+        """``n`` samples per prompt, prompt-major. Each dict: response, logprobs, truncated, version (the version
+        that sampled the first token) and versions (one per response token).
+
+        ``before_step(t)`` runs before each decoding step of each engine batch and may call ``load_weights``
+        (interruptible generation); without it every token carries the version held when generation started.
+        """
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         results = []
         step = max(1, self.max_batch // n)
         for i in range(0, len(prompts), step):
+            step_versions: list[int] = []  # the version that samples decoding step t (shared by the whole batch)
+
+            def hook(t):
+                if before_step is not None:
+                    before_step(t)
+                step_versions.append(self.version)
+
             r, lp, tr = sample(self.model, prompts[i:i + step], max_new_tokens=max_new_tokens,
                                eos_ids=self.eos_ids, pad_id=self.pad_id, temperature=temperature, top_p=top_p,
-                               greedy=greedy, generator=gen, autocast=False, n=n)
-            results += [dict(response=a, logprobs=b, truncated=c, version=self.version) for a, b, c in zip(r, lp, tr)]
+                               greedy=greedy, generator=gen, autocast=False, n=n, before_step=hook)
+            first = step_versions[0] if step_versions else self.version
+            results += [dict(response=a, logprobs=b, truncated=c, version=first, versions=step_versions[:len(a)])
+                        for a, b, c in zip(r, lp, tr)]
         return results

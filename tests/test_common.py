@@ -254,6 +254,35 @@ def test_engine_weight_sync(tiny):
     assert not any(p.data_ptr() == q.data_ptr() for p in engine.model.parameters() for q in model.parameters())
 
 
+
+def test_engine_before_step_swaps_weights_mid_generation(tiny):
+    """Interruptible generation: a callback loads new weights before decoding step 3. Tokens 0-2 carry version 0
+    and the old weights' log-probs, tokens 3+ version 1 and the new weights' log-probs. Only the final norm
+    changes, so the kept KV cache of the earlier tokens is the same under both weights and the check is exact."""
+    import copy
+
+    model, tok = tiny
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        new.model.norm.weight.mul_(3.0)
+    # no stop token (-1 is never sampled): every response runs the full 8 steps
+    engine = HFEngine(model, eos_ids=[-1], pad_id=tok.pad_token_id, dtype=torch.float32)
+    prompts = tiny_prompts(tok, 3)
+    swap = lambda t: engine.load_weights(new.named_parameters(), version=1) if t == 3 else None
+    outs = engine.generate(prompts, n=2, max_new_tokens=8, temperature=0.9, seed=3, before_step=swap)
+    assert engine.version == 1
+    assert all(o["versions"] == [0, 0, 0, 1, 1, 1, 1, 1] and o["version"] == 0 for o in outs)
+    batch = collate([p for p in prompts for _ in range(2)], [o["response"] for o in outs], tok.pad_token_id)
+    with torch.no_grad():
+        lp_old, _ = response_logprobs(model, batch, temperature=0.9, with_grad=False)
+        lp_new, _ = response_logprobs(new, batch, temperature=0.9, with_grad=False)
+    behav = pad_float([o["logprobs"] for o in outs], 8)
+    assert (behav - lp_old)[:, :3].abs().max() < 1e-4
+    assert (behav - lp_new)[:, 3:].abs().max() < 1e-4
+    assert (behav - lp_old)[:, 3:].abs().max() > 1e-2  # the swap really changed the sampling distribution
+    plain = engine.generate(prompts, max_new_tokens=4, seed=0)  # no callback: one version throughout
+    assert all(o["versions"] == [1] * len(o["response"]) and o["version"] == 1 for o in plain)
+
 def test_collate_layout():
     b = collate([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], pad_id=0)
     assert b["input_ids"].tolist() == [[1, 2, 3, 5, 6, 0], [0, 0, 4, 7, 8, 9]]
