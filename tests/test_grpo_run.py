@@ -31,6 +31,22 @@ def comparable(rows):
     return [{k: v for k, v in r.items() if NOT_TIMING(k)} for r in rows]
 
 
+def assert_same_run(a, b):
+    """Two runs' comparable metrics are the same run: identical steps, keys and counts, floats within 1e-5.
+
+    Float reductions on CPU are not bit-reproducible across processes while the producer thread runs: CI once saw
+    losses/grad_norm differ by 2 ulp at an update before the interruption (every other value, and every later
+    update, identical). A resume or seeding bug changes samples, rewards and losses far beyond 1e-5."""
+    assert len(a) == len(b), (len(a), len(b))
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys(), (ra.get("global_step"), ra.keys() ^ rb.keys())
+        for key, va in ra.items():
+            if isinstance(va, float) or isinstance(rb[key], float):
+                assert rb[key] == pytest.approx(va, rel=1e-5, abs=1e-6), (ra["global_step"], key, va, rb[key])
+            else:
+                assert rb[key] == va, (ra["global_step"], key, va, rb[key])
+
+
 def test_smoke_run_logs_every_metric(tiny_model_path, tmp_path):
     proc = run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "3", "--run-name", "smoke",
                       cwd=tmp_path)
@@ -123,7 +139,7 @@ def test_same_seed_same_metrics(tiny_model_path, tmp_path):
         run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "4", "--staleness", "2",
                    "--run-name", name, cwd=tmp_path)
     a = comparable(metrics_of(tmp_path, "a"))
-    assert a == comparable(metrics_of(tmp_path, "b"))
+    assert_same_run(a, comparable(metrics_of(tmp_path, "b")))
     assert any(r.get("losses/grad_norm", 0) > 0 for r in a)
 
 
@@ -151,7 +167,7 @@ def test_resume_reproduces_uninterrupted_run(tiny_model_path, tmp_path):
     assert ck["update"] == 3 and len(ck["rollouts"]) >= 1  # the FIFO and the partial batch were saved
     run_script("grpo.py", "--resume", str(tmp_path / "runs" / "part"), cwd=tmp_path)
     resumed, full = comparable(metrics_of(tmp_path, "part")), comparable(metrics_of(tmp_path, "full"))
-    assert resumed == full
+    assert_same_run(resumed, full)
     assert any(r["losses/grad_norm"] > 0 for r in full[1:])  # real updates, not a trivially constant policy
 
 
