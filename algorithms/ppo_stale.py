@@ -21,6 +21,7 @@ import tyro
 from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from common.engine import HFEngine, sample
+from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
 from common.tracking import Tracker, progress_line
@@ -562,6 +563,7 @@ if __name__ == "__main__":
                     if producer_state["error"] is not None or interrupted.is_set() or not thread.is_alive():
                         break  # kept in the outbox (and in checkpoints) for a resumed, longer run
             sync_push = time.time() - t1
+            release_free_memory()  # this update's freed activation/gradient blocks go back to the OS
             if j == U - 1:
                 pending = []
             # ---- logging

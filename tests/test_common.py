@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import platform
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from common import models
 from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from common.engine import HFEngine, left_pad, position_ids_from_mask, sample, sampling_logprobs
+from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import (correctness_reward, encode_prompt, extract_hash_answer, extract_last_number,
                           make_arithmetic_task, make_task, read_jsonl)
@@ -385,3 +388,23 @@ def test_checkpoint_roundtrip_and_rng(tmp_path):
     assert torch.equal(torch.rand(3), a)
     with pytest.raises(SystemExit, match="no checkpoint there"):
         load_checkpoint(tmp_path / "nothing")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status") or platform.libc_ver()[0] != "glibc",
+                    reason="needs glibc and /proc")
+def test_release_free_memory_returns_fragmented_heap_pages():
+    # 64 KiB blocks stay below glibc's mmap threshold, so they live on the heap; keeping every 8th one
+    # alive pins the heap's top, so free() alone cannot give the pages back: only a trim can.
+    blocks = [bytearray(64 * 1024) for _ in range(4096)]  # 256 MiB, touched (bytearray zero-fills)
+    kept = blocks[7::8]
+    del blocks
+    before = _rss_mib()
+    assert release_free_memory() is True
+    after = _rss_mib()
+    assert before - after > 150, (before, after)  # ~224 MiB of the 256 MiB were free
+    assert all(len(b) == 64 * 1024 and b[0] == 0 and b[-1] == 0 for b in kept)  # live blocks untouched

@@ -18,6 +18,7 @@ import tyro
 
 from common.batching import collate, pad_float, response_logprobs
 from common.engine import HFEngine
+from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
 
@@ -48,7 +49,7 @@ if __name__ == "__main__":
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     task = make_task("arithmetic", eval_size=10)
     n_params = sum(p.numel() for p in policy.parameters())
-    rows = {"generate": [], "train_step": [], "weight_sync": []}
+    rows = {"generate": [], "train_step": [], "weight_sync": [], "heap_trim": []}
     for rep in range(args.repeats + 1):
         prompts = [encode_prompt(tok, task.prompt(r)) for r in task.train_rows(rep, args.prompts)]
         t0 = time.perf_counter()
@@ -70,8 +71,10 @@ if __name__ == "__main__":
         t2 = time.perf_counter()
         engine.load_weights([(n, p.detach().to(torch.bfloat16)) for n, p in policy.named_parameters()], rep + 1)
         t3 = time.perf_counter()
+        release_free_memory()  # as the algorithm scripts do after every update
+        t4 = time.perf_counter()
         if rep:  # the first round is a warm-up
-            for k, v in zip(rows, (t1 - t0, t2 - t1, t3 - t2)):
+            for k, v in zip(rows, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 rows[k].append(v)
     prompt_tokens = sum(len(p) for p in prompts) * args.group_size
     gen_tokens = args.prompts * args.group_size * args.max_new_tokens
@@ -88,5 +91,6 @@ if __name__ == "__main__":
           f"(floor {floor_train:.2f} s: 6*N*(prompts {prompt_tokens // args.group_size} + responses {gen_tokens}) "
           f"tokens; {train_tokens} without prompt sharing)")
     print(f"weight sync  {med['weight_sync']:6.2f} s")
+    print(f"heap trim    {med['heap_trim']:6.2f} s   (freed memory back to the OS, common/memory.py)")
     total = sum(med.values())
     print(f"update total {total:6.2f} s   (roofline floor {floor_gen + floor_train:.2f} s at {args.gflops:.0f} GFLOP/s)")
