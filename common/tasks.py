@@ -1,48 +1,70 @@
-"""Tasks: prompts, a training stream, a held-out eval set and a verifier.
+"""Tasks: where the problems come from, how they are put to the model and how answers are checked.
 
-* ``arithmetic`` (default): procedurally generated integer addition, seeded, endless; the eval
-  set is fixed and excluded from the training stream. ``digits`` is the difficulty knob.
-* ``gsm8k``: grade-school math, from the hub (``openai/gsm8k``, needs ``datasets``) or from a local
-  folder holding ``train.jsonl`` and ``test.jsonl`` with ``question``/``answer`` fields.
+A ``Task`` has an endless training stream (``train_rows(k, n)``: the n rows of batch k), a fixed held-out
+eval set, a prompt template (text, and whether the chat template applies) and ``reward(text, row)``: 1.0
+if the answer is correct, else 0.0 (an algorithm that defines rewards otherwise, e.g. DAPO's +1/-1, maps
+correctness itself).
+
+Training tasks (``--task``): ``arithmetic`` (procedural addition, the default), ``gsm8k``, ``math`` (MATH
+train), ``deepscaler`` (DeepScaleR-Preview) and ``dapo17k`` (DAPO-Math-17k). Eval benchmarks
+(``--eval-task``): ``gsm8k`` (test), ``math500``, ``aime24``, ``amc23``, ``minerva``, ``olympiadbench``.
+Each loads from its hub name (``datasets``) or from a local json / jsonl / parquet file or a folder with
+``train.*`` / ``test.*``. Rows are read leniently across the published schemas (question from ``problem`` /
+``question`` / ``prompt``; answer from ``answer`` / ``final_answer`` / ``reward_model.ground_truth``, or the
+last ``\\boxed{}`` of ``solution``) and strictly otherwise: a missing field or malformed row is an error
+naming the file and row.
+
+Prompt templates (``--prompt-template``), each with the verifier its paper used (common/verifiers.py):
+``number`` (arithmetic: last number), ``grpo`` ("####"), ``dapo`` ("Answer:" line), ``m2po`` (last
+``\\boxed{}`` + math_verify), ``tba`` (raw text, last number), ``vineppo`` (raw text, "####").
 """
 
 import json
 import random
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-TASKS = ("arithmetic", "gsm8k")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+from common.verifiers import check_answer, extract_hash_answer, extract_last_number, last_boxed, normalise_number
 
+# name: (hub id, config, split)
+TRAIN_SETS = {
+    "gsm8k": ("openai/gsm8k", "main", "train"),
+    "math": ("DigitalLearningGmbH/MATH-lighteval", "default", "train"),
+    "deepscaler": ("agentica-org/DeepScaleR-Preview-Dataset", None, "train"),
+    "dapo17k": ("BytedTsinghua-SIA/DAPO-Math-17k", None, "train"),
+}
+BENCHMARKS = {
+    "gsm8k": ("openai/gsm8k", "main", "test"),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test"),
+    "aime24": ("HuggingFaceH4/aime_2024", None, "train"),
+    "amc23": ("math-ai/amc23", None, "test"),
+    "minerva": ("math-ai/minervamath", None, "test"),
+    "olympiadbench": ("math-ai/olympiadbench", None, "test"),
+}
+TASKS = ("arithmetic", *TRAIN_SETS)
+DEFAULT_EVAL = {"gsm8k": "gsm8k", "math": "math500", "deepscaler": "math500", "dapo17k": "math500"}
 
-def _normalise_number(s: str) -> str | None:
-    s = s.replace(",", "").strip().rstrip(".")
-    try:
-        x = float(s)
-    except ValueError:
-        return None
-    return str(int(x)) if x == int(x) else repr(x)
-
-
-def extract_last_number(text: str) -> str | None:
-    """The last number in ``text`` (thousands separators removed), normalised; None if there is none."""
-    found = _NUMBER.findall(text)
-    return _normalise_number(found[-1]) if found else None
-
-
-def extract_hash_answer(text: str) -> str | None:
-    """The number after the last '####' (GSM8K's answer format); None if absent."""
-    if "####" not in text:
-        return None
-    found = _NUMBER.findall(text.rsplit("####", 1)[1])
-    return _normalise_number(found[0]) if found else None
+_DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of the form "
+              "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+_DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
+# name: (text with {question}, chat template?, verifier) -- the papers' prompts (algorithms.md sec. 7)
+TEMPLATES = {
+    "number": ("{question} Reply with just the number.", True, "last_number"),
+    "grpo": ("{question} Let's think step by step and output the final answer after \"####\".", True, "hash"),
+    "dapo": (_DAPO_HEAD + "{question}" + _DAPO_TAIL, True, "answer_line"),
+    "m2po": ("Please solve the following math problem: {question}. The assistant first thinks about the reasoning "
+             "process step by step and then provides the user with the answer. Return the final answer in "
+             "\\boxed{} tags, for example \\boxed{1}. Let's solve this step by step. ", True, "boxed"),
+    "tba": ("[MATH TASK] Problem:\n{question}\n\nSolution:\n", False, "last_number"),
+    "vineppo": ("[MATH_TASK] Problem:\n{question}\n\nSolution:", False, "hash"),
+}
+DEFAULT_TEMPLATE = {"arithmetic": "number", "gsm8k": "grpo", "math": "m2po", "deepscaler": "m2po", "dapo17k": "dapo"}
 
 
 def correctness_reward(answer: str | None, gold: str) -> float:
-    """1.0 if the extracted answer equals the gold answer numerically, else 0.0."""
-    return float(answer is not None and answer == _normalise_number(gold))
+    """1.0 if an extracted number equals the gold answer numerically, else 0.0."""
+    return float(answer is not None and answer == normalise_number(gold))
 
 
 @dataclass
@@ -54,7 +76,18 @@ class Task:
     train_rows: Callable[[int, int], list[dict]]
     prompt: Callable[[dict], str]
     reward: Callable[[str, dict], float]
+    chat: bool = True
     info: dict = field(default_factory=dict)
+
+
+def _apply_template(name: str, eval_rows: list[dict], train_rows, template: str, info: dict) -> Task:
+    if template not in TEMPLATES:
+        raise SystemExit(f"--prompt-template {template!r} is unknown; choose one of auto, {', '.join(TEMPLATES)}.")
+    text, chat, verifier = TEMPLATES[template]
+    return Task(name=name, eval_rows=eval_rows, train_rows=train_rows,
+                prompt=lambda row: text.replace("{question}", row["question"]),
+                reward=lambda response, row: float(check_answer(verifier, response, row["answer"])),
+                chat=chat, info={**info, "prompt_template": template, "verifier": verifier})
 
 
 # ---------------------------------------------------------------- arithmetic
@@ -65,7 +98,7 @@ def arithmetic_problem(rng: random.Random, digits: int) -> dict:
     return {"question": f"What is {a} + {b}?", "answer": str(a + b), "a": a, "b": b}
 
 
-def make_arithmetic_task(digits: int = 2, eval_size: int = 200, seed: int = 1) -> Task:
+def make_arithmetic_task(digits: int = 2, eval_size: int = 200, seed: int = 1, template: str = "number") -> Task:
     if digits < 1:
         raise SystemExit(f"--digits must be >= 1, got {digits}")
     erng = random.Random(f"arithmetic-eval-{digits}")  # fixed whatever the training seed
@@ -88,107 +121,214 @@ def make_arithmetic_task(digits: int = 2, eval_size: int = 200, seed: int = 1) -
                 rows.append(row)
         return rows
 
-    return Task(
-        name="arithmetic",
-        eval_rows=eval_rows,
-        train_rows=train_rows,
-        prompt=lambda row: f"{row['question']} Reply with just the number.",
-        reward=lambda text, row: correctness_reward(extract_last_number(text), row["answer"]),
-        info={"digits": digits},
-    )
+    return _apply_template("arithmetic", eval_rows, train_rows, template, {"digits": digits, "eval_task": "arithmetic"})
 
 
-# ---------------------------------------------------------------- gsm8k
-def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
-    """Read a jsonl file; every row must be a JSON object with the ``required`` string fields."""
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}: row {i} is not valid JSON ({e.msg}).") from None
-            if not isinstance(row, dict):
-                raise SystemExit(f"{path}: row {i} is not a JSON object.")
-            for key in required:
-                if not isinstance(row.get(key), str) or not row[key].strip():
-                    raise SystemExit(f"{path}: row {i} lacks a non-empty string field '{key}' "
-                                     f"(fields present: {sorted(row)}).")
-            rows.append(row)
+# ---------------------------------------------------------------- datasets: reading rows
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a .jsonl, .json (a list of objects) or .parquet file; each row must be a JSON object."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise SystemExit(f"{path}: reading parquet needs `pip install pyarrow` (or convert it to jsonl).") from None
+        rows = pq.read_table(path).to_pylist()
+    elif suffix == ".json":
+        try:
+            rows = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}: not valid JSON ({e.msg} at line {e.lineno}).") from None
+        if not isinstance(rows, list):
+            raise SystemExit(f"{path}: expected a JSON list of objects, got a {type(rows).__name__}.")
+    elif suffix == ".jsonl":
+        rows = []
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"{path}: row {i} is not valid JSON ({e.msg}).") from None
+    else:
+        raise SystemExit(f"{path}: unknown file type {suffix!r}; expected .jsonl, .json or .parquet.")
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise SystemExit(f"{path}: row {i} is not a JSON object.")
     if not rows:
         raise SystemExit(f"{path}: no rows.")
     return rows
 
 
-def gsm8k_gold(row: dict, where: str) -> dict:
-    gold = extract_hash_answer(row["answer"])
-    if gold is None:
-        raise SystemExit(f"{where}: answer does not end with '#### <number>': {row['answer'][-80:]!r}")
-    return {"question": row["question"], "answer": gold}
+def _as_answer(value) -> str | None:
+    """A gold answer as a string: numbers printed plainly (142.0 -> '142'), a list joined with ', '."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return str(int(value)) if float(value).is_integer() else repr(float(value))
+    if isinstance(value, str):
+        value = value.strip()
+        if len(value) > 1 and value[0] == value[-1] == "$":  # OlympiadBench writes '$2^{1009}$'
+            value = value[1:-1].strip()
+        return value or None
+    if isinstance(value, (list, tuple)) and value:
+        parts = [_as_answer(v) for v in value]
+        return None if None in parts else ", ".join(parts)
+    return None
 
 
-def load_gsm8k_split(split: str, data_path: str | None) -> list[dict]:
-    if data_path:
-        path = Path(data_path)
-        file = path / f"{split}.jsonl" if path.is_dir() else path
-        if not file.is_file():
-            raise SystemExit(f"--data-path {data_path}: expected a folder with {split}.jsonl (or a jsonl file).")
-        raw = read_jsonl(file, ("question", "answer"))
-        return [gsm8k_gold(r, f"{file}: row {i}") for i, r in enumerate(raw, 1)]
+def _question(row: dict) -> str | None:
+    for key in ("problem", "question"):
+        if isinstance(row.get(key), str) and row[key].strip():
+            return row[key].strip()
+    prompt = row.get("prompt")
+    if isinstance(prompt, list):  # a chat (DAPO-Math-17k): the last user message
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        prompt = users[-1] if users else None
+    if isinstance(prompt, str) and prompt.strip():
+        q = prompt.strip()
+        if q.startswith(_DAPO_HEAD.strip()) and q.endswith(_DAPO_TAIL.strip()):  # recover the bare problem
+            q = q[len(_DAPO_HEAD.strip()):-len(_DAPO_TAIL.strip())].strip()
+        return q
+    return None
+
+
+def normalise_row(row: dict, where: str) -> dict:
+    """{question, answer} from a row of any supported schema; an error naming ``where`` if a field is missing."""
+    question = _question(row)
+    if question is None:
+        raise SystemExit(f"{where}: no question (looked for a non-empty 'problem', 'question' or 'prompt'; "
+                         f"fields present: {sorted(row)}).")
+    answer = None
+    for key in ("answer", "final_answer", "ground_truth"):
+        if key in row:
+            answer = _as_answer(row[key])
+            if answer is None:
+                raise SystemExit(f"{where}: field '{key}' is not a usable answer: {row[key]!r}.")
+            break
+    else:
+        if isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
+            answer = _as_answer(row["reward_model"]["ground_truth"])
+        elif isinstance(row.get("solution"), str):
+            answer = last_boxed(row["solution"])
+        if answer is None:
+            raise SystemExit(f"{where}: no answer (looked for 'answer', 'final_answer', 'ground_truth', "
+                             f"'reward_model.ground_truth' or a \\boxed{{}} in 'solution'; fields present: {sorted(row)}).")
+    if "####" in answer:  # GSM8K: a worked solution ending in '#### <number>'
+        gold = extract_hash_answer(answer)
+        if gold is None:
+            raise SystemExit(f"{where}: answer does not end with '#### <number>': {answer[-80:]!r}")
+        answer = gold
+    return {"question": question, "answer": answer}
+
+
+def _split_file(folder: Path, split: str) -> Path | None:
+    found = [folder / f"{split}{ext}" for ext in (".jsonl", ".json", ".parquet") if (folder / f"{split}{ext}").is_file()]
+    return found[0] if found else None
+
+
+def load_rows(name: str, source: tuple, path: str | None, flag: str) -> list[dict]:
+    """The {question, answer} rows of dataset ``name``: from ``path`` (a file, or a folder with <split>.jsonl/
+    .json/.parquet) when given, else from the hub ``source`` = (hub id, config, split)."""
+    hub, config, split = source
+    if path:
+        p = Path(path)
+        file = _split_file(p, split) if p.is_dir() else p
+        if file is None or not file.is_file():
+            raise SystemExit(f"{flag} {path}: expected a folder with {split}.jsonl (or .json/.parquet), "
+                             f"or such a file.")
+        return [normalise_row(r, f"{file}: row {i}") for i, r in enumerate(read_rows(file), 1)]
     try:
         import datasets
     except ImportError:
-        raise SystemExit("--task gsm8k from the hub needs `pip install datasets`; or pass --data-path "
-                         "<folder with train.jsonl and test.jsonl>.") from None
-    ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
-    return [gsm8k_gold(r, f"openai/gsm8k[{split}] row {i}") for i, r in enumerate(ds, 1)]
+        raise SystemExit(f"{name} from the hub needs `pip install datasets`; or pass {flag} <a local "
+                         f"json/jsonl/parquet copy>.") from None
+    try:
+        ds = datasets.load_dataset(hub, config, split=split) if config else datasets.load_dataset(hub, split=split)
+    except Exception as e:  # offline, unknown revision, ...: say what to do instead
+        raise SystemExit(f"could not load {name} from the hub ({hub}, split {split}): {type(e).__name__}: {e}\n"
+                         f"pass {flag} <a local json/jsonl/parquet copy> instead.") from None
+    return [normalise_row(r, f"{hub}[{split}] row {i}") for i, r in enumerate(ds, 1)]
 
 
-def make_gsm8k_task(data_path: str | None = None, eval_size: int = 200, seed: int = 1) -> Task:
-    train = load_gsm8k_split("train", data_path)
-    test = load_gsm8k_split("test", data_path)
-    eval_rows = test[:eval_size] if eval_size > 0 else test
+def load_benchmark(name: str, path: str | None = None, flag: str = "--eval-data-path") -> list[dict]:
+    """Every {question, answer} row of an eval benchmark (from ``path`` when given, else the hub)."""
+    if name not in BENCHMARKS:
+        raise SystemExit(f"benchmark {name!r} is unknown; choose one of {', '.join(BENCHMARKS)}.")
+    return load_rows(name, BENCHMARKS[name], path, flag)
 
+
+def check_numeric_answers(rows: list[dict], verifier: str, template: str, what: str) -> None:
+    """A number-only verifier (last_number, hash) on LaTeX answers would score 0 silently: refuse it."""
+    if verifier not in ("last_number", "hash"):
+        return
+    bad = [r["answer"] for r in rows if normalise_number(r["answer"]) is None]
+    if bad:
+        raise SystemExit(f"--prompt-template {template} checks a plain number ({verifier}), but {len(bad)} of "
+                         f"{len(rows)} {what} answers are not numbers (e.g. {bad[0]!r}); use --prompt-template "
+                         f"m2po (\\boxed{{}} + math_verify) or dapo.")
+
+
+def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_task: str | None = None,
+              eval_data_path: str | None = None, eval_size: int = 200, prompt_template: str = "auto",
+              seed: int = 1) -> Task:
+    """Build a task by name; an unknown name, template or benchmark is an error that lists the known ones.
+
+    ``eval_size`` > 0 keeps the first ``eval_size`` eval problems (0: all of them). Training problems whose
+    text equals an eval problem's are dropped, so the held-out set stays held out.
+    """
+    if name not in TASKS:
+        raise SystemExit(f"--task {name!r} is unknown; choose one of {', '.join(TASKS)}.")
+    template = DEFAULT_TEMPLATE[name] if prompt_template == "auto" else prompt_template
+    if template not in TEMPLATES:
+        raise SystemExit(f"--prompt-template {template!r} is unknown; choose one of auto, {', '.join(TEMPLATES)}.")
+    if name == "arithmetic":
+        if eval_task not in (None, "arithmetic") or eval_data_path or data_path:
+            raise SystemExit("--task arithmetic is generated: it takes no --data-path / --eval-data-path and "
+                             "evaluates on its own held-out problems (leave --eval-task unset).")
+        return make_arithmetic_task(digits, eval_size, seed, template)
+    eval_name = eval_task or DEFAULT_EVAL[name]
+    if eval_name not in BENCHMARKS:
+        raise SystemExit(f"--eval-task {eval_name!r} is unknown; choose one of {', '.join(BENCHMARKS)}.")
+    train = load_rows(name, TRAIN_SETS[name], data_path, "--data-path")
+    if eval_data_path is None and data_path and Path(data_path).is_dir() and eval_name == DEFAULT_EVAL[name] \
+            and _split_file(Path(data_path), "test") is not None:
+        eval_data_path = data_path  # a folder with train.* and test.*: its test split is the eval set
+    evals = load_benchmark(eval_name, eval_data_path)
+    eval_rows = evals[:eval_size] if eval_size > 0 else evals
+    verifier = TEMPLATES[template][2]
+    check_numeric_answers(train, verifier, template, f"{name} training")
+    check_numeric_answers(eval_rows, verifier, template, eval_name)
+    held_out = {r["question"] for r in evals}
+    kept = [r for r in train if r["question"] not in held_out]
+    if not kept:
+        raise SystemExit(f"every {name} training problem is also in the {eval_name} eval set; check --data-path.")
     orders: dict[int, list[int]] = {}
 
     def train_rows(k: int, n: int) -> list[dict]:
         # an endless stream of reshuffled epochs; batch k is rows k*n .. k*n+n-1 of that stream
         out = []
         for j in range(k * n, k * n + n):
-            epoch, i = divmod(j, len(train))
+            epoch, i = divmod(j, len(kept))
             if epoch not in orders:
-                orders[epoch] = list(range(len(train)))
-                random.Random(f"gsm8k-{seed}-{epoch}").shuffle(orders[epoch])
-            out.append(train[orders[epoch][i]])
+                orders[epoch] = list(range(len(kept)))
+                random.Random(f"{name}-{seed}-{epoch}").shuffle(orders[epoch])
+            out.append(kept[orders[epoch][i]])
         return out
 
-    return Task(
-        name="gsm8k",
-        eval_rows=eval_rows,
-        train_rows=train_rows,
-        prompt=lambda row: f"{row['question']} Let's think step by step and output the final answer after \"####\".",
-        reward=lambda text, row: correctness_reward(extract_hash_answer(text), row["answer"]),
-        info={"train_size": len(train), "test_size": len(test)},
-    )
-
-
-def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_size: int = 200,
-              seed: int = 1) -> Task:
-    """Build a task by name; an unknown name is an error that lists the known ones."""
-    if name == "arithmetic":
-        return make_arithmetic_task(digits, eval_size, seed)
-    if name == "gsm8k":
-        return make_gsm8k_task(data_path, eval_size, seed)
-    raise SystemExit(f"--task {name!r} is unknown; choose one of {', '.join(TASKS)}.")
+    info = {"train_size": len(kept), "train_dropped_as_eval": len(train) - len(kept), "eval_task": eval_name,
+            "eval_size": len(eval_rows), "test_size": len(evals)}
+    return _apply_template(name, eval_rows, train_rows, template, info)
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]:
     """Token ids of a prompt: the chat template with a generation prompt (instruct models), or raw text."""
     if chat_template:
         if tokenizer.chat_template is None:
-            raise SystemExit("this tokenizer has no chat template; pass --no-chat-template.")
+            raise SystemExit("this tokenizer has no chat template; pass --chat-template False (or a raw-text "
+                             "--prompt-template such as tba).")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

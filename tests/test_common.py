@@ -4,6 +4,7 @@ import json
 import math
 import os
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_r
 from common.engine import HFEngine, left_pad, position_ids_from_mask, sample, sampling_logprobs
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
-from common.tasks import (correctness_reward, encode_prompt, extract_hash_answer, extract_last_number,
-                          make_arithmetic_task, make_task, read_jsonl)
+from common.tasks import (TEMPLATES, correctness_reward, encode_prompt, extract_hash_answer, extract_last_number,
+                          load_benchmark, make_arithmetic_task, make_task, normalise_row, read_rows)
 from common.tracking import Tracker, format_duration, progress_line, read_metrics
 
 
@@ -79,29 +80,30 @@ def write_gsm8k(folder, train_rows, test_rows):
 
 
 def test_gsm8k_local_folder(tmp_path):
-    rows = [{"question": f"Q{i}: 1 + {i}?", "answer": f"1 + {i} = {1 + i}\n#### {1 + i}"} for i in range(10)]
-    task = make_task("gsm8k", data_path=str(write_gsm8k(tmp_path / "g", rows, rows[:4])), eval_size=3, seed=1)
-    assert len(task.eval_rows) == 3 and task.eval_rows[0]["answer"] == "1"
+    rows = [{"question": f"Q{i}: 1 + {i}?", "answer": f"1 + {i} = {1 + i}\n#### {1 + i}"} for i in range(14)]
+    task = make_task("gsm8k", data_path=str(write_gsm8k(tmp_path / "g", rows[:10], rows[10:])), eval_size=3, seed=1)
+    assert len(task.eval_rows) == 3 and task.eval_rows[0]["answer"] == "11"
     epoch = [r["question"] for r in task.train_rows(0, 10)]
-    assert sorted(epoch) == sorted(r["question"] for r in rows)  # one batch of 10 = one full shuffled epoch
+    assert sorted(epoch) == sorted(r["question"] for r in rows[:10])  # one batch of 10 = one full shuffled epoch
     assert task.train_rows(1, 10) != task.train_rows(0, 10)  # the next epoch is reshuffled
-    assert task.reward("so it is\n#### 2", task.eval_rows[1]) == 1.0
-    assert task.reward("2", task.eval_rows[1]) == 0.0  # GSM8K's verifier wants '####'
+    assert task.reward("so it is\n#### 12", task.eval_rows[1]) == 1.0
+    assert task.reward("12", task.eval_rows[1]) == 0.0  # GSM8K's verifier wants '####'
     assert "####" in task.prompt(task.eval_rows[0])
 
 
 @pytest.mark.parametrize("bad,match", [
     ("{not json", "row 2 is not valid JSON"),
-    (json.dumps({"question": "q"}), "row 2 lacks a non-empty string field 'answer'"),
+    (json.dumps({"question": "q"}), r"row 2: no answer \(looked for 'answer'"),
     (json.dumps([1, 2]), "row 2 is not a JSON object"),
-    (json.dumps({"question": "q", "answer": "no hash here"}), "row 2: answer does not end with '#### <number>'"),
+    (json.dumps({"question": "q", "answer": "no hash #### here"}), "row 2: answer does not end with '#### <number>'"),
+    (json.dumps({"question": "q", "answer": "the answer is 12"}), r"grpo checks a plain number \(hash\), but 1 of 2"),
 ])
 def test_gsm8k_malformed_rows_name_file_and_row(tmp_path, bad, match):
     good = {"question": "q", "answer": "#### 1"}
     folder = write_gsm8k(tmp_path / "g", [good, bad], [good])
     with pytest.raises(SystemExit, match=match) as e:
         make_task("gsm8k", data_path=str(folder))
-    assert "train.jsonl" in str(e.value)
+    assert "train.jsonl" in str(e.value) or "training" in str(e.value)
 
 
 def test_gsm8k_missing_files(tmp_path):
@@ -109,13 +111,15 @@ def test_gsm8k_missing_files(tmp_path):
         make_task("gsm8k", data_path=str(tmp_path / "nowhere"))
 
 
-def test_read_jsonl_skips_blank_lines_and_rejects_empty(tmp_path):
+def test_read_rows_skips_blank_lines_and_rejects_empty(tmp_path):
     f = tmp_path / "a.jsonl"
     f.write_text('{"x": "1"}\n\n{"x": "2"}\n')
-    assert [r["x"] for r in read_jsonl(f, ("x",))] == ["1", "2"]
+    assert [r["x"] for r in read_rows(f)] == ["1", "2"]
     f.write_text("\n")
     with pytest.raises(SystemExit, match="no rows"):
-        read_jsonl(f, ("x",))
+        read_rows(f)
+    with pytest.raises(SystemExit, match="unknown file type '.csv'"):
+        read_rows(tmp_path / "a.csv")
 
 
 def test_encode_prompt_uses_chat_template(tiny_model_path):
@@ -408,3 +412,120 @@ def test_release_free_memory_returns_fragmented_heap_pages():
     after = _rss_mib()
     assert before - after > 150, (before, after)  # ~224 MiB of the 256 MiB were free
     assert all(len(b) == 64 * 1024 and b[0] == 0 and b[-1] == 0 for b in kept)  # live blocks untouched
+
+
+# ------------------------------------------------------------------ datasets, templates, loaders
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("name,first_answer,n", [
+    ("math500", "\\left( 3, \\frac{\\pi}{2} \\right)", 4), ("aime24", "204", 2), ("amc23", "142", 3),
+    ("minerva", "9.6", 3), ("olympiadbench", "2", 3), ("gsm8k", "18", 3),
+])
+def test_benchmarks_load_from_local_fixtures(name, first_answer, n):
+    path = FIXTURES / ("gsm8k" if name == "gsm8k" else f"{name}.json")
+    rows = load_benchmark(name, str(path))
+    assert len(rows) == n and rows[0]["answer"] == first_answer
+    assert all(set(r) == {"question", "answer"} and r["question"] and r["answer"] for r in rows)
+
+
+def test_loader_schema_quirks():
+    assert load_benchmark("olympiadbench", str(FIXTURES / "olympiadbench.json"))[2]["answer"] == "2^{1009}"  # '$..$'
+    assert load_benchmark("minerva", str(FIXTURES / "minerva.json"))[1]["answer"] == "8.7 \\times 10^{8}"
+    assert load_benchmark("aime24", str(FIXTURES / "aime24.json"))[1]["answer"] == "025"
+    assert normalise_row({"problem": "p", "answer": [1, 2.5]}, "x")["answer"] == "1, 2.5"
+    # MATH as on the hub (DigitalLearningGmbH/MATH-lighteval): the answer is the last \boxed{} of the solution
+    assert normalise_row({"problem": "p", "solution": "so \\boxed{1} no, \\boxed{\\frac{a}{b}}."}, "x")["answer"] == \
+        "\\frac{a}{b}"
+
+
+def test_unknown_names_are_clear_errors():
+    with pytest.raises(SystemExit, match="choose one of gsm8k, math500, aime24"):
+        load_benchmark("mmlu")
+    with pytest.raises(SystemExit, match="--eval-task 'mmlu' is unknown"):
+        make_task("gsm8k", data_path=str(FIXTURES / "gsm8k"), eval_task="mmlu")
+    with pytest.raises(SystemExit, match="--prompt-template 'cot' is unknown; choose one of auto, number, grpo"):
+        make_task("arithmetic", prompt_template="cot")
+    with pytest.raises(SystemExit, match="arithmetic is generated"):
+        make_task("arithmetic", eval_task="math500")
+
+
+@pytest.mark.parametrize("content,match", [
+    ('[{"problem": "p"}]', r"math_train.json: row 1: no answer \(looked for"),
+    ('[{"answer": "1"}]', r"row 1: no question .*fields present: \['answer'\]"),
+    ('[{"problem": "p", "answer": ""}]', "row 1: field 'answer' is not a usable answer"),
+    ('{"problem": "p"}', "expected a JSON list of objects, got a dict"),
+    ('[{"problem": "p", "answer": "1"}, 7]', "row 2 is not a JSON object"),
+    ('[{"problem": "p", "answer": "1"', "not valid JSON"),
+])
+def test_malformed_rows_name_file_and_row(tmp_path, content, match):
+    (tmp_path / "math_train.json").write_text(content)
+    with pytest.raises(SystemExit, match=match):
+        make_task("math", data_path=str(tmp_path / "math_train.json"), eval_data_path=str(FIXTURES / "math500.json"))
+
+
+def test_math_task_from_local_files_trains_and_evaluates():
+    task = make_task("math", data_path=str(FIXTURES / "math_train.json"),
+                     eval_data_path=str(FIXTURES / "math500.json"), eval_size=0, seed=1)
+    assert task.info["eval_task"] == "math500" and task.info["prompt_template"] == "m2po" and task.chat
+    assert len(task.eval_rows) == 4 and task.info["train_size"] == 4
+    row = task.eval_rows[2]  # gold \frac{14}{3}
+    assert "\\boxed{}" in task.prompt(row) and row["question"] in task.prompt(row)
+    assert task.reward("... so the answer is \\boxed{\\dfrac{14}{3}}", row) == 1.0
+    assert task.reward("... \\boxed{14/3}", row) == 1.0 and task.reward("\\boxed{4.6}", row) == 0.0
+    assert task.reward("14/3", row) == 0.0  # the m2po verifier needs a \boxed{}
+    dapo = make_task("math", data_path=str(FIXTURES / "math_train.json"),
+                     eval_data_path=str(FIXTURES / "math500.json"), prompt_template="dapo")
+    assert dapo.reward("work\nAnswer: \\frac{14}{3}", row) == 1.0 and "Answer:" in dapo.prompt(row)
+
+
+def test_numeric_templates_refuse_latex_answers():
+    with pytest.raises(SystemExit, match=r"grpo checks a plain number \(hash\), but 3 of 4 math500 answers"):
+        make_task("math", data_path=str(FIXTURES / "math_train.json"), eval_data_path=str(FIXTURES / "math500.json"),
+                  prompt_template="grpo")
+
+
+def test_raw_text_templates_skip_the_chat_template():
+    task = make_task("gsm8k", data_path=str(FIXTURES / "gsm8k"), prompt_template="tba")
+    assert not task.chat and task.prompt(task.eval_rows[0]).startswith("[MATH TASK] Problem:\n")
+    assert task.reward("she makes 18 dollars", task.eval_rows[0]) == 1.0  # TBA: the last number
+    vine = make_task("gsm8k", data_path=str(FIXTURES / "gsm8k"), prompt_template="vineppo")
+    assert not vine.chat and vine.prompt(vine.eval_rows[0]).endswith("\n\nSolution:")
+    assert vine.reward("she makes 18 dollars", vine.eval_rows[0]) == 0.0  # VinePPO: after '####' only
+
+
+def test_deepscaler_and_dapo17k_schemas(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    math = json.loads((FIXTURES / "math_train.json").read_text())
+    ds = [{"problem": r["problem"], "answer": r["answer"], "solution": "..."} for r in math]
+    (tmp_path / "deepscaler.json").write_text(json.dumps(ds))
+    task = make_task("deepscaler", data_path=str(tmp_path / "deepscaler.json"), eval_data_path=str(FIXTURES / "math500.json"))
+    assert [r["answer"] for r in task.train_rows(0, 4)] and task.info["train_size"] == 4
+    wrapped = [{"data_source": "math_dapo", "ability": "MATH",
+                "prompt": [{"role": "user", "content": TEMPLATES["dapo"][0].replace("{question}", r["problem"])}],
+                "reward_model": {"ground_truth": r["answer"], "style": "rule-lighteval/MATH_v2"}} for r in math]
+    pq.write_table(pa.Table.from_pylist(wrapped), tmp_path / "dapo.parquet")
+    task = make_task("dapo17k", data_path=str(tmp_path / "dapo.parquet"), eval_data_path=str(FIXTURES / "math500.json"))
+    rows = sorted(task.train_rows(0, 4), key=lambda r: r["answer"])
+    assert [r["answer"] for r in rows] == sorted(r["answer"] for r in math)
+    assert {r["question"] for r in rows} == {r["problem"].strip() for r in math}  # the DAPO wrapper is removed
+    assert task.info["prompt_template"] == "dapo" and task.prompt(rows[0]).count("Solve the following") == 1
+
+
+def test_training_rows_that_are_eval_problems_are_dropped(tmp_path):
+    evals = json.loads((FIXTURES / "math500.json").read_text())
+    train = json.loads((FIXTURES / "math_train.json").read_text()) + evals[:2]
+    (tmp_path / "train.json").write_text(json.dumps(train))
+    task = make_task("math", data_path=str(tmp_path / "train.json"), eval_data_path=str(FIXTURES / "math500.json"))
+    assert task.info["train_size"] == 4 and task.info["train_dropped_as_eval"] == 2
+
+
+def test_hub_failure_says_how_to_use_a_local_copy(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*a, **k):
+        raise ConnectionError("no internet")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(SystemExit, match=r"(?s)could not load math500 from the hub \(HuggingFaceH4/MATH-500.*--eval-data-path"):
+        load_benchmark("math500")

@@ -253,10 +253,22 @@ def test_malformed_dataset_row_is_a_clear_error(tiny_model_path, tmp_path):
 
 def test_gsm8k_trains_from_a_local_folder(tiny_model_path, tmp_path):
     rows = [{"question": f"Tom has {i} apples and buys 2. How many?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}
-            for i in range(12)]
+            for i in range(16)]
     (tmp_path / "gsm").mkdir()
-    for split in ("train", "test"):
-        (tmp_path / "gsm" / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    for split, part in (("train", rows[:12]), ("test", rows[12:])):
+        (tmp_path / "gsm" / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in part) + "\n")
     run_script("grpo.py", "--model", tiny_model_path, *FAST, "--task", "gsm8k", "--data-path", str(tmp_path / "gsm"),
                "--total-updates", "2", "--run-name", "g", cwd=tmp_path)
     assert "eval/accuracy" in metrics_of(tmp_path, "g")[-1]
+
+
+def test_math_task_with_boxed_verifier_from_local_files(tiny_model_path, tmp_path):
+    # MATH train + MATH-500 eval, the m2po prompt and its math_verify reward, computed in the producer thread
+    fixtures = ROOT / "tests" / "fixtures"
+    proc = run_script("grpo.py", "--model", tiny_model_path, *FAST, "--task", "math", "--data-path",
+                      str(fixtures / "math_train.json"), "--eval-data-path", str(fixtures / "math500.json"),
+                      "--total-updates", "2", "--run-name", "m", cwd=tmp_path)
+    assert "math (eval math500, 4 problems; prompt m2po)" in proc.stdout
+    rows = metrics_of(tmp_path, "m")
+    assert len(rows) == 3 and all(0.0 <= r["charts/reward_mean"] <= 1.0 for r in rows[1:])
+    assert rows[-1]["eval/accuracy"] == 0.0  # a 2-layer random model does not solve MATH
