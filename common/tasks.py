@@ -277,7 +277,9 @@ def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_
     """Build a task by name; an unknown name, template or benchmark is an error that lists the known ones.
 
     ``eval_size`` > 0 keeps the first ``eval_size`` eval problems (0: all of them). Training problems whose
-    text equals an eval problem's are dropped, so the held-out set stays held out.
+    text equals an eval problem's are dropped, so the held-out set stays held out. Without
+    ``eval_data_path``, a local training copy laid out as ``train.*`` + ``test.*`` (a folder, or a file named
+    ``train.*`` next to a ``test.*``) supplies the default benchmark's test split; else the hub does.
     """
     if name not in TASKS:
         raise SystemExit(f"--task {name!r} is unknown; choose one of {', '.join(TASKS)}.")
@@ -293,9 +295,11 @@ def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_
     if eval_name not in BENCHMARKS:
         raise SystemExit(f"--eval-task {eval_name!r} is unknown; choose one of {', '.join(BENCHMARKS)}.")
     train = load_rows(name, TRAIN_SETS[name], data_path, "--data-path")
-    if eval_data_path is None and data_path and Path(data_path).is_dir() and eval_name == DEFAULT_EVAL[name] \
-            and _split_file(Path(data_path), "test") is not None:
-        eval_data_path = data_path  # a folder with train.* and test.*: its test split is the eval set
+    if eval_data_path is None and data_path and eval_name == DEFAULT_EVAL[name]:
+        # a local copy laid out as <folder>/train.* + <folder>/test.*: its test split is the eval set
+        folder = Path(data_path) if Path(data_path).is_dir() else Path(data_path).parent
+        if (Path(data_path).is_dir() or Path(data_path).stem == "train") and _split_file(folder, "test") is not None:
+            eval_data_path = str(_split_file(folder, "test"))
     evals = load_benchmark(eval_name, eval_data_path)
     eval_rows = evals[:eval_size] if eval_size > 0 else evals
     verifier = TEMPLATES[template][2]
@@ -319,7 +323,7 @@ def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_
         return out
 
     info = {"train_size": len(kept), "train_dropped_as_eval": len(train) - len(kept), "eval_task": eval_name,
-            "eval_size": len(eval_rows), "test_size": len(evals)}
+            "eval_size": len(eval_rows), "test_size": len(evals), "eval_source": eval_data_path or BENCHMARKS[eval_name][0]}
     return _apply_template(name, eval_rows, train_rows, template, info)
 
 

@@ -529,3 +529,9 @@ def test_hub_failure_says_how_to_use_a_local_copy(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(SystemExit, match=r"(?s)could not load math500 from the hub \(HuggingFaceH4/MATH-500.*--eval-data-path"):
         load_benchmark("math500")
+
+
+def test_a_train_file_next_to_a_test_file_supplies_the_eval_set():
+    task = make_task("gsm8k", data_path=str(FIXTURES / "gsm8k" / "train.jsonl"))
+    assert task.info["eval_source"] == str(FIXTURES / "gsm8k" / "test.jsonl") and len(task.eval_rows) == 3
+    assert task.info["train_size"] == 4
