@@ -382,6 +382,7 @@ if __name__ == "__main__":
                              for g in range(len(rows)) if spread[g]]
                     generated, rounds, gen_tokens = generated + len(rows), rounds + 1, gen_tokens + int(lengths.sum())
                 gen_time = time.time() - t0
+                release_free_memory()  # the generation's KV caches go back to the OS before the trainer needs memory
                 n_kept, kept = len(kept), kept[:P]  # truncated to exactly the batch size
                 rollout_q.put(dict(k=k, version=engine.version, prompts=[p for p, *_ in kept for _ in range(G)],
                                    outs=[o for _, os_, *_ in kept for o in os_], rewards=[x for *_, rs, _ in kept for x in rs],

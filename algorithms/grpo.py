@@ -312,6 +312,7 @@ if __name__ == "__main__":
                 outs = engine.generate(unique, n=args.group_size, max_new_tokens=args.max_new_tokens,
                                        temperature=args.temperature, top_p=args.top_p, seed=args.seed * 1_000_003 + k)
                 gen_time = time.time() - t0
+                release_free_memory()  # the generation's KV caches go back to the OS before the trainer needs memory
                 texts = tokenizer.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
                 rewards = [task.reward(t, rows[i // args.group_size]) for i, t in enumerate(texts)]
                 rollout_q.put(dict(k=k, version=engine.version, prompts=prompts, outs=outs, rewards=rewards,

@@ -403,6 +403,7 @@ if __name__ == "__main__":
                                        temperature=args.temperature, top_p=args.top_p, seed=args.seed * 1_000_003 + k,
                                        before_step=take_weights if eta is not None else None)
                 gen_time = time.time() - t0
+                release_free_memory()  # the generation's KV caches go back to the OS before the trainer needs memory
                 texts = tokenizer.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
                 rewards = [task.reward(t, rows[i // args.group_size]) for i, t in enumerate(texts)]
                 rollout_q.put(dict(k=k, version=min(o["version"] for o in outs), prompts=prompts, outs=outs,
