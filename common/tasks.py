@@ -80,12 +80,17 @@ class Task:
     info: dict = field(default_factory=dict)
 
 
-def _apply_template(name: str, eval_rows: list[dict], train_rows, template: str, info: dict) -> Task:
+def resolve_template(template: str) -> tuple[Callable[[dict], str], bool, str]:
+    """(row -> prompt text, chat template?, verifier name) of a template; an unknown name lists the known ones."""
     if template not in TEMPLATES:
         raise SystemExit(f"--prompt-template {template!r} is unknown; choose one of auto, {', '.join(TEMPLATES)}.")
     text, chat, verifier = TEMPLATES[template]
-    return Task(name=name, eval_rows=eval_rows, train_rows=train_rows,
-                prompt=lambda row: text.replace("{question}", row["question"]),
+    return (lambda row: text.replace("{question}", row["question"])), chat, verifier
+
+
+def _apply_template(name: str, eval_rows: list[dict], train_rows, template: str, info: dict) -> Task:
+    prompt, chat, verifier = resolve_template(template)
+    return Task(name=name, eval_rows=eval_rows, train_rows=train_rows, prompt=prompt,
                 reward=lambda response, row: float(check_answer(verifier, response, row["answer"])),
                 chat=chat, info={**info, "prompt_template": template, "verifier": verifier})
 
@@ -284,8 +289,7 @@ def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_
     if name not in TASKS:
         raise SystemExit(f"--task {name!r} is unknown; choose one of {', '.join(TASKS)}.")
     template = DEFAULT_TEMPLATE[name] if prompt_template == "auto" else prompt_template
-    if template not in TEMPLATES:
-        raise SystemExit(f"--prompt-template {template!r} is unknown; choose one of auto, {', '.join(TEMPLATES)}.")
+    verifier = resolve_template(template)[2]  # also rejects an unknown template before any data is read
     if name == "arithmetic":
         if eval_task not in (None, "arithmetic") or eval_data_path or data_path:
             raise SystemExit("--task arithmetic is generated: it takes no --data-path / --eval-data-path and "
@@ -297,12 +301,12 @@ def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_
     train = load_rows(name, TRAIN_SETS[name], data_path, "--data-path")
     if eval_data_path is None and data_path and eval_name == DEFAULT_EVAL[name]:
         # a local copy laid out as <folder>/train.* + <folder>/test.*: its test split is the eval set
-        folder = Path(data_path) if Path(data_path).is_dir() else Path(data_path).parent
-        if (Path(data_path).is_dir() or Path(data_path).stem == "train") and _split_file(folder, "test") is not None:
-            eval_data_path = str(_split_file(folder, "test"))
+        given = Path(data_path)
+        sibling = _split_file(given if given.is_dir() else given.parent, "test")
+        if sibling is not None and (given.is_dir() or given.stem == "train"):
+            eval_data_path = str(sibling)
     evals = load_benchmark(eval_name, eval_data_path)
     eval_rows = evals[:eval_size] if eval_size > 0 else evals
-    verifier = TEMPLATES[template][2]
     check_numeric_answers(train, verifier, template, f"{name} training")
     check_numeric_answers(eval_rows, verifier, template, eval_name)
     held_out = {r["question"] for r in evals}

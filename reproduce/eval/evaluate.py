@@ -26,7 +26,7 @@ import tyro
 from common.checkpoint import load_checkpoint
 from common.engine import HFEngine
 from common.models import load_model, load_tokenizer, resolve_model
-from common.tasks import BENCHMARKS, TEMPLATES, check_numeric_answers, encode_prompt, load_benchmark
+from common.tasks import BENCHMARKS, check_numeric_answers, encode_prompt, load_benchmark, resolve_template
 from common.verifiers import check_answer
 
 
@@ -117,12 +117,10 @@ if __name__ == "__main__":
             rows = load_benchmark(bench, paths.get(bench), "--data-paths")
             rows = rows[:args.limit] if args.limit else rows
             template = args.prompt_template if args.prompt_template != "auto" else ("grpo" if bench == "gsm8k" else "m2po")
-            if template not in TEMPLATES:
-                raise SystemExit(f"--prompt-template {template!r} is unknown; choose one of auto, {', '.join(TEMPLATES)}")
-            text, chat, verifier = TEMPLATES[template]
+            prompt, chat, verifier = resolve_template(template)
             check_numeric_answers(rows, verifier, template, bench)
             chat = chat if args.chat_template is None else args.chat_template
-            prompts = [encode_prompt(tokenizer, text.replace("{question}", r["question"]), chat) for r in rows]
+            prompts = [encode_prompt(tokenizer, prompt(r), chat) for r in rows]
             order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))  # similar lengths share a batch: less padding
             t0, outs = time.time(), [None] * len(rows)
             per_batch = max(1, args.batch_size // args.n)
