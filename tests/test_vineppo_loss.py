@@ -1,0 +1,192 @@
+"""vineppo.py's pure functions against hand-made examples: step splitting, MC values on a known tree of outcomes,
+step advantages, token spreading, whitening, GAE, the PPO clip and the ratio guard."""
+
+import math
+
+import pytest
+import torch
+
+from vineppo import (clipped_surrogate, gae, k3_kl, mc_values, ratio_guard_trips, spread_to_tokens, step_advantages,
+                     step_starts, whiten)
+
+
+# ---------------------------------------------------------------- step splitting (token space)
+def test_no_newline_is_one_step():
+    assert step_starts(["4", "2", ""]) == [0]  # "42" + EOS (special tokens decode to '')
+
+
+def test_each_line_starts_a_step():
+    texts = ["a", " =", " 1", "\n", "b", " =", " 2", "\n", "#", "###", " 3", ""]
+    assert step_starts(texts) == [0, 4, 8]
+
+
+def test_trailing_newline_and_newline_before_eos_open_no_step():
+    assert step_starts(["1", "2", "\n"]) == [0]  # truncated right after a newline
+    assert step_starts(["1", "2", "\n", ""]) == [0]  # newline then EOS
+    assert step_starts(["1", "\n", "2", "\n", " ", ""]) == [0, 2]  # only whitespace after the last newline
+
+
+def test_blank_lines_stay_in_the_step_they_end():
+    # "x\n\n\ny": the newline tokens form one run; the next step starts at "y"
+    assert step_starts(["x", "\n", "\n", "\n", "y"]) == [0, 4]
+    assert step_starts(["x", "\n\n", "y"]) == [0, 2]  # a merged "\n\n" token
+    assert step_starts(["\n", "x"]) == [0, 1]  # a response that starts with a newline: step 0 is that line
+    assert step_starts(["x", ".\n", "  ", "y"]) == [0, 2]  # indentation starts the next step (not a blank line)
+    assert step_starts(["x", "\n", "\nThe", " end"]) == [0, 2]  # a newline token with text is a step start
+
+
+def test_empty_response():
+    assert step_starts([]) == [0]
+
+
+# ---------------------------------------------------------------- MC values on a known tree of outcomes
+# The "policy" below answers from a tree: from the prompt it writes line "a\n" or "b\n" with probability 1/2 each;
+# after "a\n" it answers "1" (correct) with probability 2/3 and "2" otherwise; after "b\n" it always answers "3"
+# (wrong). True values: V(prompt) = 1/2 * 2/3 = 1/3, V(after a) = 2/3, V(after b) = 0. The fake engine returns each
+# outcome in exact proportion, so the MC estimates equal the true values.
+A, B, NL, ONE, TWO, THREE, EOS = 10, 11, 12, 13, 14, 15, 0
+TEXT = {A: "a", B: "b", NL: "\n", ONE: "1", TWO: "2", THREE: "3", EOS: ""}
+PROMPT = [100, 101]
+TREE = {  # prefix (response part) -> the completions a K=6 sample returns, in exact proportion
+    (): [[A, NL, ONE, EOS]] * 2 + [[A, NL, TWO, EOS]] + [[B, NL, THREE, EOS]] * 3,
+    (A, NL): [[ONE, EOS]] * 4 + [[TWO, EOS]] * 2,
+    (B, NL): [[THREE, EOS]] * 6,
+}
+
+
+def fake_generate(prefixes, n, max_new_tokens):
+    out = []
+    for p in prefixes:
+        comps = TREE[tuple(p[len(PROMPT):])]
+        assert len(comps) == n
+        out += [c[:max_new_tokens] for c in comps]
+    return out
+
+
+def tree_values(responses, K=6, max_tokens=4):
+    states = sorted({tuple(r[:b]) for r in responses for b in step_starts([TEXT[t] for t in r])})
+    reward = lambda j, c: float("".join(TEXT[t] for t in list(states[j]) + c).endswith("1"))
+    V = mc_values([(PROMPT + list(st), max_tokens - len(st)) for st in states], K, fake_generate, reward)
+    return dict(zip(states, V))
+
+
+def test_mc_values_of_a_known_tree():
+    V = tree_values([[A, NL, ONE, EOS], [B, NL, THREE, EOS]])
+    assert V[()] == pytest.approx(1 / 3)
+    assert V[(A, NL)] == pytest.approx(2 / 3)
+    assert V[(B, NL)] == pytest.approx(0.0)
+
+
+def test_completions_are_cut_to_the_trajectory_budget():
+    # from "a\n" with a total budget of 2 tokens only one token remains: "1" (no EOS) still scores 1
+    states = [(PROMPT + [A, NL], 1)]
+    V = mc_values(states, 6, fake_generate, lambda j, c: float(len(c) == 1 and c[0] == ONE))
+    assert V == pytest.approx([4 / 6])
+
+
+def test_step_advantages_on_the_tree():
+    V = tree_values([[A, NL, ONE, EOS], [B, NL, THREE, EOS]])
+    # trajectory "a\n1": A_0 = V(a) - V(root) = 1/3, A_1 = R + 0 - V(a) = 1/3
+    assert step_advantages([V[()], V[(A, NL)]], 1.0, 2) == pytest.approx([1 / 3, 1 / 3])
+    # trajectory "b\n3": A_0 = V(b) - V(root) = -1/3, A_1 = 0 + 0 - V(b) = 0
+    assert step_advantages([V[()], V[(B, NL)]], 0.0, 2) == pytest.approx([-1 / 3, 0.0])
+    # the advantages telescope: their sum is R - V(s_0) (gamma = 1, terminal V = 0)
+    assert sum(step_advantages([0.3, 0.9, 0.2], 1.0, 3)) == pytest.approx(1.0 - 0.3)
+
+
+def test_terminal_value_is_zero_and_single_step_is_r_minus_v():
+    assert step_advantages([0.25], 1.0, 1) == pytest.approx([0.75])
+    assert step_advantages([0.25], 0.0, 1) == pytest.approx([-0.25])
+
+
+def test_states_beyond_the_cap_use_the_trajectory_return():
+    # 4 steps, MC values only for the first 2 states (cap 2): V(s_2) = V(s_3) = R
+    R = 1.0
+    adv = step_advantages([0.2, 0.6], R, 4)
+    V = [0.2, 0.6, R, R, 0.0]
+    expected = [0.0 + V[1] - V[0], 0.0 + V[2] - V[1], 0.0 + V[3] - V[2], R + V[4] - V[3]]
+    assert adv == pytest.approx(expected)
+    assert adv[2:] == [0.0, 0.0]  # the capped steps carry no signal
+
+
+def test_spread_to_tokens():
+    assert spread_to_tokens([0.5, -1.0, 2.0], [0, 3, 4], 6) == [0.5, 0.5, 0.5, -1.0, 2.0, 2.0]
+    assert spread_to_tokens([0.7], [0], 3) == [0.7, 0.7, 0.7]
+
+
+# ---------------------------------------------------------------- whitening and GAE
+def test_whiten_over_masked_entries():
+    x = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    out = whiten(x, mask)
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    expected = (v - v.mean()) / v.std(unbiased=True)
+    assert out[mask] == pytest.approx(expected.tolist(), abs=1e-6)
+    assert out[~mask].tolist() == [0.0, 0.0]
+
+
+def test_whiten_all_equal_is_zero():
+    x = torch.full((2, 3), 0.4)
+    out = whiten(x, torch.ones(2, 3, dtype=torch.bool))
+    assert torch.all(out == 0)
+    assert torch.all(whiten(torch.tensor([[5.0]]), torch.tensor([[True]])) == 0)  # one token
+
+
+def test_gae_lambda_one_is_return_minus_value():
+    torch.manual_seed(0)
+    lengths = [3, 5, 1]
+    mask = torch.arange(5)[None] < torch.tensor(lengths)[:, None]
+    values = torch.rand(3, 5) * mask
+    R = torch.tensor([1.0, 0.0, 1.0])
+    rewards = torch.zeros(3, 5)
+    rewards[torch.arange(3), torch.tensor(lengths) - 1] = R
+    adv = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert adv[mask] == pytest.approx(((R[:, None] - values) * mask)[mask].tolist(), abs=1e-6)
+    assert torch.all(adv[~mask] == 0)
+
+
+def test_gae_general_matches_a_loop():
+    torch.manual_seed(1)
+    values, rewards = torch.rand(1, 4), torch.rand(1, 4)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    g, lam = 0.9, 0.8
+    v = values[0].tolist() + [0.0]
+    deltas = [rewards[0, t].item() + g * v[t + 1] - v[t] for t in range(4)]
+    expected = [sum((g * lam) ** (l - t) * deltas[l] for l in range(t, 4)) for t in range(4)]
+    assert gae(rewards, values, mask, g, lam)[0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+# ---------------------------------------------------------------- PPO loss, KL, ratio guard
+def test_on_policy_clip_never_fires_and_loss_is_minus_advantage():
+    logp = torch.randn(2, 4)
+    adv = torch.randn(2, 4)
+    loss, ratio, clipped = clipped_surrogate(logp, logp.clone(), adv, 0.2)
+    assert torch.allclose(ratio, torch.ones_like(ratio))
+    assert not clipped.any()
+    assert torch.allclose(loss, -adv)
+
+
+def test_clip_on_token_advantages():
+    logp_behav = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[1.5, 1.5, 0.5, 0.5]]))
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    loss, _, clipped = clipped_surrogate(logp, logp_behav, adv, 0.2)
+    # r > 1 + eps with A > 0 and r < 1 - eps with A < 0 are clipped; the other two keep the unclipped (worse) value
+    assert clipped.tolist() == [[True, False, False, True]]
+    assert loss[0].tolist() == pytest.approx([-1.2, 1.5, -0.5, 0.8])
+
+
+def test_k3_is_nonnegative_and_clamped():
+    d = torch.tensor([-20.0, -1.0, 0.0, 1.0, 3.0])
+    kl = k3_kl(d, torch.zeros(5))
+    dc = d.clamp(-10, 10)
+    assert kl.tolist() == pytest.approx(torch.clamp(torch.exp(-dc) + dc - 1, 0, 10).tolist())
+    assert kl[2] == 0 and torch.all(kl >= 0) and kl.max() <= 10
+
+
+def test_ratio_guard():
+    assert not ratio_guard_trips(torch.ones(8), 10.0)
+    assert ratio_guard_trips(torch.tensor([1.0, 1.0, 40.0]), 10.0)  # mean 14 > 10
+    assert not ratio_guard_trips(torch.tensor([1.0, 1.0, 25.0]), 10.0)  # mean 9: a single large ratio is not enough
+    assert not ratio_guard_trips(torch.zeros(0), 10.0)
+    assert math.isclose(torch.tensor([1.0, 1.0, 25.0]).mean().item(), 9.0)
