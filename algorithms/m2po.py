@@ -63,8 +63,6 @@ class Args:
     """dtype of the rollout engine's copy of the weights"""
     vllm_kv_cache_gib: float = 0.5
     """KV-cache memory of the vLLM engine in GiB, reserved at start (more only raises concurrency)"""
-    vllm_sync: Literal["reload", "nccl"] = "reload"
-    """vLLM weight sync: reload (engine in this process: CPU, or the trainer's GPU) or nccl (engine on its own GPU)"""
     bf16: bool = True
     """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
     total_updates: int = 40
@@ -305,7 +303,7 @@ if __name__ == "__main__":
     lr_at = lambda v: args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
     engine = make_engine(args.engine, policy, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
                          dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size, seed=args.seed,
-                         kv_cache_gib=args.vllm_kv_cache_gib, sync=args.vllm_sync)
+                         kv_cache_gib=args.vllm_kv_cache_gib)
     # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype
     weights_copy = lambda: [(n, p.detach().to(engine.dtype, copy=True)) for n, p in policy.named_parameters()]
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)

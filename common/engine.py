@@ -13,6 +13,7 @@ KV cache of the tokens already processed is kept (not recomputed under the new w
 """
 
 import copy
+import logging
 import os
 
 import torch
@@ -44,6 +45,16 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
     return logp
+
+
+def inverse_cdf_sample(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of [B, V] log-probs: the first index whose cumulative probability exceeds u * total,
+    u ~ U[0, 1). Exact for the categorical distribution (a zero-probability token is never drawn, as its cumulative
+    probability equals its predecessor's) and ~35x faster on CPU than ``torch.multinomial``, which draws an
+    exponential variate for every vocabulary entry (48 ms per step for 64 rows of a 49k vocabulary)."""
+    cdf = logp.float().exp().cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
 
 
 @torch.inference_mode()
@@ -83,7 +94,7 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: lis
                 tok = lp.argmax(-1)
             else:
                 lp = sampling_logprobs(logits, temperature, top_p)
-                tok = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
+                tok = inverse_cdf_sample(lp, generator)
             tok = torch.where(done, torch.full_like(tok, pad_id), tok)
             out_tok.append(tok)
             out_lp.append(lp.gather(-1, tok[:, None]).squeeze(-1))
@@ -112,6 +123,8 @@ class HFEngine:
 
     def __init__(self, model, *, eos_ids: list[int], pad_id: int, dtype=torch.bfloat16, max_batch: int = 64):
         self.model = copy.deepcopy(model).to(dtype).eval()
+        # eager attention: for one new token over a short cache it is 1.3x faster than SDPA on CPU (torch 2.13)
+        self.model.set_attn_implementation("eager")
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.eos_ids, self.pad_id, self.max_batch = list(eos_ids), pad_id, max_batch
@@ -202,6 +215,20 @@ def nccl_weight_transfer(llm, address: str, port: int):
     return NCCLTrainerWeightTransferEngine.trainer_init(info, client=LLMClient(), source=source), source
 
 
+def quiet_reload_logs() -> None:
+    """Silence vLLM's per-sync log lines that say nothing wrong: the reload's timing (INFO), and "Failed to load
+    weights" for the two layers a checkpoint has no tensors for (the rotary embedding's computed cache, and the
+    LM head tied to the embedding, which ``refresh_tied_lm_head`` rebuilds). Any other layer still warns."""
+    logging.getLogger("vllm.model_executor.model_loader.reload.inplace").setLevel(logging.WARNING)
+    expected = ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights")
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(getattr(f, "asyncrl", False) for f in layerwise.filters):
+        drop = logging.Filter()
+        drop.filter = lambda record: record.getMessage() not in expected
+        drop.asyncrl = True
+        layerwise.addFilter(drop)
+
+
 def refresh_tied_lm_head(worker) -> bool:
     """Runs in a vLLM CPU worker after ``reload_weights``: rebuild the packed GEMM of an LM head tied to the input
     embedding. The CPU backend packs the head's weight at load; a reload updates the embedding but skips the tied
@@ -248,6 +275,7 @@ class VLLMEngine:
         self.llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_num_seqs=max_batch,
                        logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
                        enforce_eager=enforce_eager, disable_log_stats=True, **kwargs)
+        quiet_reload_logs()  # after the engine start, which reconfigures vLLM's loggers
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.eos_ids, self.dtype, self.sync = list(eos_ids), dtype, sync
         self.version, self.weights = 0, None

@@ -12,7 +12,7 @@ import torch
 from common import models
 from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from common.engine import HFEngine, left_pad, position_ids_from_mask, sample, sampling_logprobs
+from common.engine import HFEngine, inverse_cdf_sample, left_pad, position_ids_from_mask, sample, sampling_logprobs
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import (TEMPLATES, correctness_reward, encode_prompt, extract_hash_answer, extract_last_number,
@@ -194,6 +194,17 @@ def tiny(tiny_model_path):
 
 def tiny_prompts(tok, n=6):
     return [encode_prompt(tok, f"What is {i} + {i + 3}?") for i in range(n)]
+
+
+def test_inverse_cdf_sample_draws_the_categorical_distribution():
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0], [0.1, 0.2, 0.3, 0.4, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([inverse_cdf_sample(probs.log(), gen) for _ in range(20000)])  # [draws, rows]
+    freq = torch.stack([torch.bincount(draws[:, r], minlength=5) for r in range(3)]).float() / 20000
+    assert torch.all(freq[probs == 0] == 0)  # zero-probability tokens are never drawn
+    assert torch.allclose(freq, probs, atol=0.015)  # 4+ standard errors at 20000 draws
+    unnormalised = torch.log(torch.tensor([[2.0, 6.0]]))  # log-probs that do not sum to 1 still sample p / sum
+    assert abs(torch.stack([inverse_cdf_sample(unnormalised, gen) for _ in range(8000)]).float().mean() - 0.75) < 0.02
 
 
 def test_sample_returns_valid_responses(tiny):

@@ -188,3 +188,32 @@ def test_every_script_runs_with_vllm(tiny_vllm_model_path, tmp_path, script, fla
     assert max(diffs) < 1e-4, diffs  # weights synced exactly: fp32 engine and trainer agree
     if script == "grpo.py":
         assert len(diffs) == 3  # on-policy: after every sync
+
+
+def test_evaluate_with_vllm_scores_a_checkpoint_as_hf_does(tiny_vllm_model_path, tmp_path):
+    """reproduce/eval/evaluate.py --engine vllm on a training checkpoint (its weights reach vLLM by a sync): greedy
+    fp32 responses equal the HF engine's, and the CSV's avg@1 is the mean of the samples' verdicts."""
+    import csv
+    import json
+
+    from conftest import ROOT
+
+    from common.checkpoint import save_checkpoint
+
+    model = load_model(tiny_vllm_model_path)
+    torch.manual_seed(0)
+    state = {k: v + 0.02 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    save_checkpoint(tmp_path / "run" / "checkpoint.pt", {"args": {"model": tiny_vllm_model_path}, "update": 3, "model": state})
+    data = ["--data-paths", f"gsm8k={ROOT / 'tests' / 'fixtures' / 'gsm8k'}"]
+    texts = {}
+    for engine in ("hf", "vllm"):
+        out = tmp_path / engine / "res.csv"
+        run_script("../reproduce/eval/evaluate.py", "--model", str(tmp_path / "run"), "--benchmarks", "gsm8k", *data,
+                   "--max-new-tokens", "8", "--engine", engine, "--engine-dtype", "float32", "--output", str(out),
+                   cwd=tmp_path)
+        samples = [json.loads(line) for line in open(out.with_suffix(".samples.jsonl"))]
+        texts[engine] = [s["response"] for s in samples]
+        with open(out) as f:
+            row = next(csv.DictReader(f))
+        assert float(row["avg@1"]) == pytest.approx(sum(s["correct"] for s in samples) / len(samples), abs=1e-4)
+    assert texts["vllm"] == texts["hf"]
