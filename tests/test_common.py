@@ -546,3 +546,19 @@ def test_a_train_file_next_to_a_test_file_supplies_the_eval_set():
     task = make_task("gsm8k", data_path=str(FIXTURES / "gsm8k" / "train.jsonl"))
     assert task.info["eval_source"] == str(FIXTURES / "gsm8k" / "test.jsonl") and len(task.eval_rows) == 3
     assert task.info["train_size"] == 4
+
+
+def test_quiet_reload_logs_drops_only_the_expected_vllm_lines():
+    import logging
+
+    from common.engine import quiet_reload_logs
+
+    quiet_reload_logs()
+    quiet_reload_logs()  # idempotent: one filter
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    assert len([f for f in layerwise.filters if getattr(f, "asyncrl", False)]) == 1
+    make = lambda msg, *a: logging.LogRecord(layerwise.name, logging.WARNING, __file__, 1, msg, a, None)
+    assert not layerwise.filter(make("%s: Failed to load weights", "ParallelLMHead"))
+    assert not layerwise.filter(make("%s: Failed to load weights", "RotaryEmbedding"))
+    assert layerwise.filter(make("%s: Failed to load weights", "QKVParallelLinear"))  # a real failure still warns
+    assert logging.getLogger("vllm.model_executor.model_loader.reload.inplace").level == logging.WARNING

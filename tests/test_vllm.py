@@ -72,6 +72,16 @@ def test_no_eos_ids_gives_full_length(setup):
     assert all(len(o["response"]) == 12 and o["truncated"] for o in outs)
 
 
+def test_a_batch_larger_than_one_prefill_step_samples_with_seeds(setup):
+    """64 prompts x 100 tokens = 6400 prefill tokens, more than one scheduler step's default 4096: with chunked
+    prefill a split prompt rewinds its seeded generator, which the CPU backend cannot do (it crashed); the engine
+    turns chunked prefill off on CPUs."""
+    tok, policy, engine, prompts = setup
+    long = [prompts[0] + list(range(200, 200 + 100 - len(prompts[0]))) for _ in range(64)]
+    outs = engine.generate(long, n=1, max_new_tokens=4, temperature=T, seed=0)
+    assert len(outs) == 64 and all(1 <= len(o["response"]) <= 4 for o in outs)
+
+
 def test_fp32_logprobs_match_the_trainer(setup):
     tok, policy, engine, prompts = setup
     outs = engine.generate(prompts, n=4, max_new_tokens=8, temperature=T, seed=1)
