@@ -19,7 +19,7 @@ import tyro
 
 from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from common.engine import make_engine, sample
+from common.engine import make_engine, sample, weight_payload
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
@@ -282,7 +282,7 @@ if __name__ == "__main__":
                          dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size, seed=args.seed,
                          kv_cache_gib=args.vllm_kv_cache_gib)
     # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype
-    weights_copy = lambda: [(n, p.detach().to(engine.dtype, copy=True)) for n, p in policy.named_parameters()]
+    weights_copy = lambda: weight_payload(policy, engine.dtype)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
     chat = task.chat if args.chat_template is None else args.chat_template
     encode = lambda row: encode_prompt(tokenizer, task.prompt(row), chat)

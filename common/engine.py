@@ -15,6 +15,7 @@ KV cache of the tokens already processed is kept (not recomputed under the new w
 import copy
 import logging
 import os
+import random
 
 import torch
 
@@ -310,8 +311,6 @@ class VLLMEngine:
         """``n`` samples per prompt, prompt-major, as ``HFEngine.generate``. Each prompt gets its own seed drawn from
         ``seed`` (vLLM seeds a prompt's j-th sample with its seed + j, so seeds must not be consecutive across
         prompts). With no ``eos_ids`` every sample has full length."""
-        import random
-
         from vllm import SamplingParams
 
         if before_step is not None:
@@ -337,6 +336,11 @@ class VLLMEngine:
         return results
 
 
+def weight_payload(model, dtype) -> list[tuple[str, torch.Tensor]]:
+    """A weight-sync payload: a copy of every parameter of ``model`` in the engine's ``dtype``, by name."""
+    return [(n, p.detach().to(dtype, copy=True)) for n, p in model.named_parameters()]
+
+
 def make_engine(kind: str, policy, model_path: str, *, eos_ids: list[int], pad_id: int, dtype=torch.bfloat16,
                 max_batch: int = 64, seed: int = 0, kv_cache_gib: float = 0.5, sync: str = "reload"):
     """The rollout engine of ``--engine``, holding the trainer's current weights as version 0."""
@@ -345,6 +349,6 @@ def make_engine(kind: str, policy, model_path: str, *, eos_ids: list[int], pad_i
     if kind == "vllm":
         engine = VLLMEngine(model_path, eos_ids=eos_ids, dtype=dtype, max_batch=max_batch, seed=seed,
                             kv_cache_gib=kv_cache_gib, sync=sync)
-        engine.load_weights([(n, p.detach().to(dtype, copy=True)) for n, p in policy.named_parameters()], 0)
+        engine.load_weights(weight_payload(policy, dtype), 0)
         return engine
     raise SystemExit(f"unknown --engine {kind!r}: choose hf or vllm")

@@ -39,43 +39,36 @@ def warm_start(model, tok, steps: int = 60):
         opt.step()
 
 
-@pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory, default_tokenizer_path):
-    """A randomly initialised 2-layer Llama with the default model's tokenizer and chat template."""
+def tiny_llama(tmp_path_factory, tokenizer_path, name: str, **shape) -> str:
+    """A randomly initialised 2-layer Llama of ``shape`` with the default model's tokenizer and chat template and
+    tied embeddings, warm-started, saved to a fresh folder."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(default_tokenizer_path)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    cfg = LlamaConfig(vocab_size=len(tok), num_hidden_layers=2, max_position_embeddings=512, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      **shape)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     warm_start(model, tok)
-    out = tmp_path_factory.mktemp("tiny-llama")
+    out = tmp_path_factory.mktemp(name)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory, default_tokenizer_path):
+    """A randomly initialised 2-layer Llama with the default model's tokenizer and chat template."""
+    return tiny_llama(tmp_path_factory, default_tokenizer_path, "tiny-llama", hidden_size=32, intermediate_size=64,
+                      num_attention_heads=4, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="session")
 def tiny_vllm_model_path(tmp_path_factory, default_tokenizer_path):
-    """The tiny Llama with 32-dim heads (vLLM's CPU attention needs head sizes that are multiples of 32), tied
-    embeddings like the default model, warm-started the same way."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(default_tokenizer_path)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    warm_start(model, tok)
-    out = tmp_path_factory.mktemp("tiny-llama-vllm")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    """The tiny Llama with 32-dim heads (vLLM's CPU attention needs head sizes that are multiples of 32)."""
+    return tiny_llama(tmp_path_factory, default_tokenizer_path, "tiny-llama-vllm", hidden_size=64,
+                      intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
 
 
 def run_script(script: str, *flags: str, cwd, timeout: int = 240, check: bool = True):

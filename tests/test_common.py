@@ -12,7 +12,8 @@ import torch
 from common import models
 from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from common.engine import HFEngine, inverse_cdf_sample, left_pad, position_ids_from_mask, sample, sampling_logprobs
+from common.engine import (HFEngine, inverse_cdf_sample, left_pad, position_ids_from_mask, sample, sampling_logprobs,
+                           weight_payload)
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import (TEMPLATES, correctness_reward, encode_prompt, extract_hash_answer, extract_last_number,
@@ -562,3 +563,16 @@ def test_quiet_reload_logs_drops_only_the_expected_vllm_lines():
     assert not layerwise.filter(make("%s: Failed to load weights", "RotaryEmbedding"))
     assert layerwise.filter(make("%s: Failed to load weights", "QKVParallelLinear"))  # a real failure still warns
     assert logging.getLogger("vllm.model_executor.model_loader.reload.inplace").level == logging.WARNING
+
+
+def test_weight_payload_copies_every_parameter_in_the_engine_dtype():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    payload = weight_payload(model, torch.bfloat16)
+    assert [n for n, _ in payload] == [n for n, _ in model.named_parameters()]
+    for (_, t), p in zip(payload, model.parameters()):
+        assert t.dtype == torch.bfloat16 and torch.equal(t, p.detach().to(torch.bfloat16)) and not t.requires_grad
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # a copy: later trainer updates do not reach a payload in flight
+    assert not torch.equal(payload[0][1], model[0].weight.detach().to(torch.bfloat16))
+    same = weight_payload(model, torch.float32)  # same dtype: still a copy
+    assert same[0][1].data_ptr() != model[0].weight.data_ptr()

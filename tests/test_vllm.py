@@ -9,9 +9,10 @@ import torch
 pytest.importorskip("vllm")
 
 from conftest import run_script  # noqa: E402
+from test_grpo_run import FAST as HF_FAST  # noqa: E402
 
 from common.batching import collate, pad_float, response_logprobs  # noqa: E402
-from common.engine import VLLMEngine, make_engine  # noqa: E402
+from common.engine import VLLMEngine, make_engine, weight_payload  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from common.tasks import encode_prompt  # noqa: E402
 from common.tracking import read_metrics  # noqa: E402
@@ -41,7 +42,7 @@ def logprob_gap(policy, tok, prompts, outs, n, bf16=False):
 
 
 def sync(engine, policy, version, dtype=torch.float32):
-    engine.load_weights([(n, p.detach().to(dtype, copy=True)) for n, p in policy.named_parameters()], version)
+    engine.load_weights(weight_payload(policy, dtype), version)
 
 
 def test_generates_valid_groups(setup):
@@ -160,8 +161,7 @@ def test_nccl_sync_between_gpus(tiny_vllm_model_path):  # pragma: no cover - GPU
     assert logprob_gap(policy.cpu(), tok, prompts, outs, 4)[1] < 1e-3
 
 
-FAST = ["--digits", "1", "--prompts-per-batch", "2", "--group-size", "4", "--max-new-tokens", "6", "--eval-size", "8",
-        "--eval-every", "2", "--engine", "vllm", "--vllm-kv-cache-gib", "0.25"]
+FAST = [*HF_FAST, "--engine", "vllm", "--vllm-kv-cache-gib", "0.25"]
 EXACT = ["--engine-dtype", "float32", "--no-bf16"]
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 import tyro
 
-from common.engine import make_engine
+from common.engine import make_engine, weight_payload
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
 
@@ -73,7 +73,7 @@ if __name__ == "__main__":
         cast, load = [], []
         for v in range(1, args.repeats + 1):
             t0 = time.perf_counter()
-            payload = [(n, p.detach().to(dtype, copy=True)) for n, p in policy.named_parameters()]
+            payload = weight_payload(policy, dtype)
             t1 = time.perf_counter()
             engine.load_weights(payload, v)
             load.append(time.perf_counter() - t1)
