@@ -35,4 +35,5 @@ def load_checkpoint(path: str | Path) -> dict:
         path = path / "checkpoint.pt"
     if not path.is_file():
         raise SystemExit(f"--resume {path}: no checkpoint there; pass a checkpoint.pt or its run folder.")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # memory-mapped: a trainer rank that needs only the settings and counters does not read the tensors
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)

@@ -69,15 +69,16 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: lis
     is called before decoding step t (t = 0 is the prefill), i.e. before response token t is sampled; it may
     change the model's weights in place, which then sample token t onwards (the cache of earlier tokens stays).
     """
-    ids, mask = left_pad(prompts, pad_id)
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B = ids.shape[0] * n
-    eos = torch.tensor(eos_ids, dtype=torch.long)
-    done = torch.zeros(B, dtype=torch.bool)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
     out_tok, out_lp = [], []
     past = None
     cur_ids, cur_pos = ids, position_ids_from_mask(mask)
     base, head = getattr(model, model.base_model_prefix), model.get_output_embeddings()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and ids.device.type == "cpu"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         for t in range(max_new_tokens):
             if before_step is not None:
                 before_step(t)
@@ -106,8 +107,8 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: lis
             cur_ids = tok[:, None]
             if bool(done.all()):
                 break
-    toks = torch.stack(out_tok, 1) if out_tok else torch.zeros((B, 0), dtype=torch.long)
-    lps = torch.stack(out_lp, 1) if out_lp else torch.zeros((B, 0))
+    toks = torch.stack(out_tok, 1).cpu() if out_tok else torch.zeros((B, 0), dtype=torch.long)
+    lps = torch.stack(out_lp, 1).cpu() if out_lp else torch.zeros((B, 0))
     responses, logprobs, truncated = [], [], []
     for i in range(B):
         row = toks[i].tolist()
@@ -153,7 +154,8 @@ class HFEngine:
         ``before_step(t)`` runs before each decoding step of each engine batch and may call ``load_weights``
         (interruptible generation); without it every token carries the version held when generation started.
         """
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device).manual_seed(seed) if seed is not None else None
         results = []
         step = max(1, self.max_batch // n)
         for i in range(0, len(prompts), step):
@@ -258,11 +260,13 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, eos_ids: list[int], dtype=torch.bfloat16, max_batch: int = 64,
                  seed: int = 0, kv_cache_gib: float = 0.5, sync: str = "reload", enforce_eager: bool | None = None,
-                 nccl_address: str = "127.0.0.1", nccl_port: int = 29555):
+                 nccl_address: str = "127.0.0.1", nccl_port: int = 29555, gpus: list[str] | None = None):
         if sync not in ("reload", "nccl"):
             raise SystemExit(f"unknown vLLM weight sync {sync!r}: choose reload or nccl")
         if kv_cache_gib <= 0:
             raise SystemExit(f"--vllm-kv-cache-gib must be > 0, got {kv_cache_gib}")
+        if gpus and sync != "nccl":
+            raise SystemExit("a vLLM engine on GPUs of its own runs in its own processes: it needs sync='nccl'")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if sync == "reload" else "1"
         # vLLM drops torch to one thread for the whole process unless OMP_NUM_THREADS is set: keep the trainer's
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -276,9 +280,22 @@ class VLLMEngine:
             enforce_eager = on_cpu
         if on_cpu:  # a prefill split over steps rewinds the request's seeded generator, which CPU generators cannot
             kwargs["enable_chunked_prefill"] = False
-        self.llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_num_seqs=max_batch,
-                       logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
-                       enforce_eager=enforce_eager, disable_log_stats=True, **kwargs)
+        elif not gpus:  # colocated with the trainer: vLLM refuses to start unless free memory >= utilization x total;
+            free, total = torch.cuda.mem_get_info()  # the KV cache is sized by kv_cache_gib, so only that check uses it
+            kwargs["gpu_memory_utilization"] = 0.9 * free / total
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if gpus:  # the engine's processes (spawned inside LLM()) see only its GPUs; this process keeps its own
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            kwargs["tensor_parallel_size"] = len(gpus)
+        try:
+            self.llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_num_seqs=max_batch,
+                           logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                           enforce_eager=enforce_eager, disable_log_stats=True, **kwargs)
+        finally:
+            if gpus and visible is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            elif gpus:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
         quiet_reload_logs()  # after the engine start, which reconfigures vLLM's loggers
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.eos_ids, self.dtype, self.sync = list(eos_ids), dtype, sync
@@ -336,19 +353,45 @@ class VLLMEngine:
         return results
 
 
-def weight_payload(model, dtype) -> list[tuple[str, torch.Tensor]]:
-    """A weight-sync payload: a copy of every parameter of ``model`` in the engine's ``dtype``, by name."""
-    return [(n, p.detach().to(dtype, copy=True)) for n, p in model.named_parameters()]
+def weight_payload(model, dtype, keep: bool = True) -> list[tuple[str, torch.Tensor]] | None:
+    """A weight-sync payload: a copy of every parameter of ``model`` in the engine's ``dtype``, by name, on the
+    parameters' device. For a sharded trainer (FSDP) every rank must call it: each parameter is all-gathered in
+    turn (one parameter's full tensor at a time beside the payload); only the rank with ``keep`` (the engine's,
+    rank 0) holds the payload, the others get None."""
+    out = []
+    for n, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if keep:
+            out.append((n, full.detach().to(dtype, copy=True)))
+    return out if keep else None
+
+
+def engine_gpus(n: int) -> list[str]:
+    """The ``n`` GPUs a vLLM engine gets of its own (``--vllm-gpus``): the node's GPUs after the trainer's
+    (torchrun's ``LOCAL_WORLD_SIZE`` processes use the first ones), named as ``CUDA_VISIBLE_DEVICES`` names them."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if n < 1 or local_world + n > len(names):
+        raise SystemExit(f"--vllm-gpus {n}: this node has {len(names)} GPU(s) and its {local_world} trainer process(es) "
+                         f"use the first {local_world}; start fewer trainer processes (torchrun --nproc-per-node) or "
+                         f"give the engine fewer GPUs (--vllm-gpus 0 shares rank 0's GPU)")
+    return names[local_world:local_world + n]
 
 
 def make_engine(kind: str, policy, model_path: str, *, eos_ids: list[int], pad_id: int, dtype=torch.bfloat16,
-                max_batch: int = 64, seed: int = 0, kv_cache_gib: float = 0.5, sync: str = "reload"):
-    """The rollout engine of ``--engine``, holding the trainer's current weights as version 0."""
+                max_batch: int = 64, seed: int = 0, kv_cache_gib: float = 0.5, sync: str = "reload", gpus: int = 0):
+    """The rollout engine of ``--engine``, holding the trainer's current weights as version 0. The HF engine and a
+    vLLM engine with ``gpus=0`` share the trainer's device (rank 0's); ``gpus > 0`` starts vLLM on GPUs of its own
+    (``engine_gpus``), tensor-parallel over them, with NCCL weight sync from the trainer."""
     if kind == "hf":
+        if gpus:
+            raise SystemExit("--vllm-gpus needs --engine vllm (the HF engine shares the trainer's device)")
         return HFEngine(policy, eos_ids=eos_ids, pad_id=pad_id, dtype=dtype, max_batch=max_batch)
     if kind == "vllm":
         engine = VLLMEngine(model_path, eos_ids=eos_ids, dtype=dtype, max_batch=max_batch, seed=seed,
-                            kv_cache_gib=kv_cache_gib, sync=sync)
+                            kv_cache_gib=kv_cache_gib, sync="nccl" if gpus else sync,
+                            gpus=engine_gpus(gpus) if gpus else None)
         engine.load_weights(weight_payload(policy, dtype), 0)
         return engine
     raise SystemExit(f"unknown --engine {kind!r}: choose hf or vllm")

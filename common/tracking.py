@@ -36,8 +36,10 @@ class Tracker:
     """Writes each ``log`` call as one JSON line (with ``global_step``); mirrors to wandb when enabled."""
 
     def __init__(self, run_dir: str | Path, config: dict, track: bool = False, project: str = "asyncrl",
-                 run_name: str | None = None, resume: bool = False):
-        self.run_dir = Path(run_dir)
+                 run_name: str | None = None, resume: bool = False, enabled: bool = True):
+        self.run_dir, self.enabled = Path(run_dir), enabled
+        if not enabled:  # a trainer rank other than 0: logging is rank 0's
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(self.run_dir / "metrics.jsonl", "a" if resume else "w")
         with open(self.run_dir / "config.json", "w") as f:
@@ -51,6 +53,8 @@ class Tracker:
         self.start = time.time()
 
     def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
         row = {"global_step": step, **{k: (float(v) if hasattr(v, "item") else v) for k, v in metrics.items()}}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
@@ -58,6 +62,8 @@ class Tracker:
             self.wandb.log(row, step=step)
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()

@@ -1,0 +1,151 @@
+"""Data-parallel training over ``torchrun`` ranks with FSDP2, and the few collectives the scripts need.
+
+A plain ``python algorithms/x.py`` is rank 0 of a world of 1: nothing is sharded and every helper here
+passes its input through, so single-process runs take exactly the code path they always took.
+Under ``torchrun --nproc-per-node N`` each rank is one trainer process (one GPU each, or a CPU process
+with gloo); rank 0 also owns the rollout engine, the rollout queue, logging and checkpoints.
+"""
+
+import os
+import types
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(cuda: bool = True) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) of this process. Under torchrun (``WORLD_SIZE`` > 1) it joins the process group:
+    NCCL with one GPU per rank (``cuda:LOCAL_RANK``) when CUDA is available and ``cuda``, gloo on CPUs."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = cuda and torch.cuda.is_available()
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise SystemExit(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; start at "
+                         f"most that many processes per node (torchrun --nproc-per-node)")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    return (dist.get_rank() if world > 1 else 0), world, device
+
+
+def is_sharded(model) -> bool:
+    return hasattr(model, "fsdp_call")
+
+
+def shard_model(model):
+    """FSDP2 (``fully_shard``) over all ranks: each decoder layer is one shard group, the root holds the rest
+    (embeddings, final norm, LM head). A world of 1 leaves the model as it is.
+
+    Gradients are summed over ranks, not averaged (divide factor 1): each rank's loss is its share of the
+    minibatch loss, normalised by the minibatch's global sizes, so the shares add up to the one-process loss.
+    ``response_logprobs`` and ``sample`` run the base model and the LM head directly rather than ``model.forward``;
+    they go through ``model.fsdp_call(fn, ...)``, registered as a forward method, so FSDP all-gathers the root's
+    parameters and reduce-scatters their gradients around them as it does around ``forward``.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return model
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    base = getattr(model, model.base_model_prefix)
+    for layer in base.layers:
+        fully_shard(layer)
+    # resharded after every forward, the root too (all-gathered again for backward): a root kept gathered after a
+    # forward without backward (no_grad passes) would keep serving its pre-update weights after optimizer.step
+    fully_shard(model, reshard_after_forward=True)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    model.fsdp_call = types.MethodType(lambda self, fn, *args, **kwargs: fn(self, *args, **kwargs), model)
+    register_fsdp_forward_method(model, "fsdp_call")
+    with torch.no_grad():
+        model.fsdp_call(lambda self: None)  # FSDP initialises from the root's first forward: before any layer's
+    return model
+
+
+@contextmanager
+def gathered_params(model):
+    """Every rank holds the full weights for the duration (FSDP unshard, no resharding), so each can run forward
+    passes on its own: generation, whose number of steps differs between ranks. A no-op for an unsharded model."""
+    if not is_sharded(model):
+        yield model
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True)  # as shard_model set them
+
+
+def full_state_dicts(model, optimizer) -> tuple[dict, dict]:
+    """The model's and the optimizer's full (unsharded) state dicts on CPU, keyed by parameter name, on rank 0
+    (empty on the other ranks). The same format for any number of ranks: a checkpoint resumes on any other."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_full_state_dicts(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
+    """Load ``full_state_dicts`` output (read on rank 0; broadcast and re-sharded to every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def broadcast(value):
+    """Rank 0's ``value`` (any picklable object) on every rank; every rank must call it. One process: ``value``."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_ranks(value) -> list:
+    """``value`` from every rank, in rank order (tensors arrive on CPU); every rank must call it. One process: [value]."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, _to_cpu(value))
+    return out
+
+
+def merge_ranks(*values):
+    """Combine per-rank training statistics over all ranks (every rank must call it): numbers are summed, lists
+    concatenated in rank order, and a dict of lists of tensors (per-token statistics collected micro-batch by
+    micro-batch) becomes a dict of single tensors, concatenated in rank order. One process: the same combination
+    of its own values. Returns a tuple when given several values."""
+    gathered = all_ranks(values)
+    out = []
+    for i, v in enumerate(values):
+        parts = [g[i] for g in gathered]
+        if isinstance(v, dict):
+            out.append({k: torch.cat([t.cpu() for p in parts for t in p[k]]) for k in v})
+        elif isinstance(v, list):
+            out.append([x for p in parts for x in p])
+        else:
+            out.append(sum(parts))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _to_cpu(value):
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
