@@ -36,8 +36,9 @@ def is_sharded(model) -> bool:
 
 
 def shard_model(model):
-    """FSDP2 (``fully_shard``) over all ranks: each decoder layer is one shard group, the root holds the rest
-    (embeddings, final norm, LM head). A world of 1 leaves the model as it is.
+    """FSDP2 (``fully_shard``) over all ranks: each transformer block (a module whose class name ends in
+    ``DecoderLayer``, as in every HF decoder) is one shard group, the root holds the rest (embeddings, final norm,
+    LM head, a value head). A world of 1 leaves the model as it is.
 
     Gradients are summed over ranks, not averaged (divide factor 1): each rank's loss is its share of the
     minibatch loss, normalised by the minibatch's global sizes, so the shares add up to the one-process loss.
@@ -49,8 +50,10 @@ def shard_model(model):
         return model
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    base = getattr(model, model.base_model_prefix)
-    for layer in base.layers:
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers:
+        raise SystemExit(f"cannot shard {type(model).__name__}: no transformer blocks (*DecoderLayer modules) found")
+    for layer in layers:
         fully_shard(layer)
     # resharded after every forward, the root too (all-gathered again for backward): a root kept gathered after a
     # forward without backward (no_grad passes) would keep serving its pre-update weights after optimizer.step

@@ -79,3 +79,16 @@ def run_script(script: str, *flags: str, cwd, timeout: int = 240, check: bool = 
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
     return proc
+
+
+def run_torchrun(script: str, *flags: str, cwd, nproc: int = 2, timeout: int = 300, check: bool = True):
+    """Run algorithms/<script> (or any path) under ``torchrun --standalone --nproc-per-node nproc`` from ``cwd``:
+    ``nproc`` trainer ranks on CPUs (gloo), one thread each."""
+    path = script if os.path.isabs(str(script)) else str(ROOT / "algorithms" / script)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                           path, *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                             f"stderr:\n{proc.stderr[-5000:]}")
+    return proc
