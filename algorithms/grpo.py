@@ -18,8 +18,8 @@ import tyro
 
 from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from common.distributed import (all_ranks, broadcast, full_state_dicts, gathered_params, init_distributed,
-                                load_full_state_dicts, merge_ranks, shard_model)
+from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,
+                                load_full_state_dicts, merge_ranks, shard_model, shutdown)
 from common.engine import make_engine, sample, weight_payload
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
@@ -367,6 +367,7 @@ if __name__ == "__main__":
         boundary, captures everything a resume needs and writes it."""
         model_state, optimizer_state = full_state_dicts(policy, optimizer)
         if rank != 0:
+            barrier()  # until rank 0 has written it (under torchrun, one rank's exit stops all the others)
             return
         pause_req.set()
         while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
@@ -379,6 +380,7 @@ if __name__ == "__main__":
         finally:
             pause_req.clear()
         save_checkpoint(ckpt_path, state)
+        barrier()
 
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
@@ -538,10 +540,12 @@ if __name__ == "__main__":
                 raise KeyboardInterrupt
         save(update)
         print0(f"done: {update} updates in {time.time() - start_time:.0f}s; checkpoint {ckpt_path}", flush=True)
+        shutdown()
     except KeyboardInterrupt:
         if producer_state["error"] is None:
             save(update)
             print0(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
+        shutdown(130)
         sys.exit(130)
     finally:
         stop.set()

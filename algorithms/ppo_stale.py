@@ -20,6 +20,8 @@ import tyro
 
 from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,
+                                load_full_state_dicts, merge_ranks, shard_model, shutdown)
 from common.engine import make_engine, sample, weight_payload
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
@@ -37,6 +39,8 @@ class Args:
     """run folder name under runs/ (default: <task>__<exp_name>__<seed>__<unix time>)"""
     track: bool = False
     """log to Weights & Biases (otherwise metrics go to runs/<run_name>/metrics.jsonl only)"""
+    cuda: bool = True
+    """train on CUDA when available: one GPU per trainer rank (torchrun: cuda:LOCAL_RANK); else on CPUs"""
     wandb_project: str = "asyncrl"
     """the wandb project name"""
     model: str = "default"
@@ -63,6 +67,8 @@ class Args:
     """dtype of the rollout engine's copy of the weights"""
     vllm_kv_cache_gib: float = 0.5
     """KV-cache memory of the vLLM engine in GiB, reserved at start (more only raises concurrency)"""
+    vllm_gpus: int = 0
+    """GPUs of the vLLM engine's own on rank 0's node, after the trainer's (tensor parallel; 0: shares rank 0's device)"""
     bf16: bool = True
     """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
     total_updates: int = 40
@@ -237,6 +243,8 @@ def admits(started: int, version: int, max_staleness: int, batch_size: int, grou
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    rank, world, device = init_distributed(args.cuda)  # torchrun: one trainer process per rank; else rank 0 of 1
+    print0 = print if rank == 0 else lambda *a, **k: None  # rank 0 logs
     # ---------------------------------------------------------------- shared plumbing: checks and setup
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
@@ -271,7 +279,12 @@ if __name__ == "__main__":
         if args.total_updates <= ckpt["update"]:
             raise SystemExit(f"--resume: the checkpoint is at update {ckpt['update']}; pass --total-updates N with "
                              f"N > {ckpt['update']} to train further")
-    run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    n_micro = -(-args.minibatch_size // args.micro_batch_size)  # micro-batches per update, dealt out to the ranks
+    if n_micro % world:
+        raise SystemExit(f"a minibatch of {args.minibatch_size} samples makes {n_micro} micro-batches of "
+                         f"--micro-batch-size {args.micro_batch_size}, which cannot be dealt evenly to {world} trainer "
+                         f"ranks: choose --micro-batch-size M with ceil({args.minibatch_size} / M) a multiple of {world}")
+    run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     args.run_name = run_name
     run_dir = os.path.join("runs", run_name)
     torch.manual_seed(args.seed)
@@ -282,28 +295,33 @@ if __name__ == "__main__":
                      seed=args.seed)
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
-    policy = load_model(model_path)
+    policy = load_model(model_path).to(device)
     policy.config.use_cache = False
     gen_eos = policy.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
     ref_model = None
     if args.kl_coef > 0:
-        ref_model = load_model(model_path).eval().requires_grad_(False)
+        ref_model = shard_model(load_model(model_path).to(device).eval().requires_grad_(False))
+    engine = None  # rank 0 owns the rollout engine (made from the full, not yet sharded, policy)
+    if rank == 0:
+        engine = make_engine(args.engine, policy, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+                             dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size, seed=args.seed,
+                             kv_cache_gib=args.vllm_kv_cache_gib, gpus=args.vllm_gpus)
+    policy = shard_model(policy)  # FSDP2 over the trainer ranks (one process: unchanged)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     lr_at = lambda v: args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
-    engine = make_engine(args.engine, policy, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-                         dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size, seed=args.seed,
-                         kv_cache_gib=args.vllm_kv_cache_gib)
-    # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype
-    weights_copy = lambda: weight_payload(policy, engine.dtype)
-    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype (every rank gathers,
+    # rank 0 keeps it)
+    weights_copy = lambda: weight_payload(policy, getattr(torch, args.engine_dtype), keep=rank == 0)
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     chat = task.chat if args.chat_template is None else args.chat_template
     encode = lambda row: encode_prompt(tokenizer, task.prompt(row), chat)
     U, s, eta = args.updates_per_batch, args.staleness, args.max_staleness
     num_batches = -(-args.total_updates // U)
     # a weight payload is made only for a version the producer can use: exact lag, a version that a batch of this run
-    # is generated by (k*U - s == v, k < K); bounded, any version while batches remain to be generated
-    needs_payload = lambda v: (producer_state["next_k"] < num_batches if eta is not None
+    # is generated by (k*U - s == v, k < K); bounded, any version while batches remain to be generated (rank 0's
+    # producer counts them: its answer on every rank, as every rank takes part in weights_copy)
+    needs_payload = lambda v: (broadcast(producer_state["next_k"] < num_batches) if eta is not None
                                else (v + s) % U == 0 and (v + s) // U < num_batches)
     fill_batches = min(num_batches, s // U + 1)  # batches generated by the initial policy (the FIFO warm-up)
 
@@ -314,16 +332,16 @@ if __name__ == "__main__":
     producer_state = {"next_k": 0, "error": None, "sync_time": 0.0}
     outbox: list = []  # weight payloads not yet handed to the engine
     start_update = 0
-    if ckpt is not None:
-        policy.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt is not None:  # full state dicts: the checkpoint resumes on any number of ranks
+        load_full_state_dicts(policy, optimizer, ckpt["model"] if rank == 0 else {}, ckpt["optimizer"] if rank == 0 else {})
         set_rng_state(ckpt["rng"])
-        engine.load_weights(ckpt["engine_weights"].items(), ckpt["engine_version"])
-        outbox = list(ckpt["pending_weights"])  # flushed into weights_q by the trainer
-        for b in ckpt["rollouts"]:
-            rollout_q.put(b)
+        if rank == 0:
+            engine.load_weights(ckpt["engine_weights"].items(), ckpt["engine_version"])
+            outbox = list(ckpt["pending_weights"])  # flushed into weights_q by the trainer
+            for b in ckpt["rollouts"]:
+                rollout_q.put(b)
         producer_state["next_k"], start_update = ckpt["next_k"], ckpt["update"]
-        held = {v for v, _ in outbox} | {engine.version}  # versions whose weights the checkpoint kept
+        held = {v for v, _ in ckpt["pending_weights"]} | {ckpt["engine_version"]}  # versions whose weights it kept
         missing = [k for k in range(ckpt["next_k"], num_batches)
                    if eta is None and batch_version(k, U, s) < start_update and batch_version(k, U, s) not in held]
         if missing:
@@ -332,15 +350,17 @@ if __name__ == "__main__":
                              f"{ckpt['args']['total_updates']} updates); resume with --total-updates <= that, or "
                              f"plan the longer run from the start")
         if needs_payload(start_update) and start_update not in held:  # the run being extended ended here
-            outbox.append((start_update, weights_copy()))
+            payload = weights_copy()
+            if rank == 0:
+                outbox.append((start_update, payload))
     tracker = Tracker(run_dir, asdict(args), track=args.track, project=args.wandb_project, run_name=run_name,
-                      resume=ckpt is not None)
+                      resume=ckpt is not None, enabled=rank == 0)
     mode = (f"staleness {s} (FIFO depth {-(-s // U)} batches)" if eta is None else
             f"max staleness {eta} batch(es) (AReaL bounded mode, not deterministic)")
-    print(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
+    print0(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
           f"{task.info['prompt_template']}) | model {model_path} | batch {args.prompts_per_batch}x{args.group_size} | "
           f"{U} update(s)/batch | {mode} | {'decoupled' if args.decoupled else 'naive'} PPO | "
-          f"{args.total_updates} updates", flush=True)
+          f"{args.total_updates} updates | {world} trainer rank(s) on {device.type}", flush=True)
 
     # ---------------------------------------------------------------- shared plumbing: rollout producer (thread)
     def wait_or_pause(get):
@@ -425,7 +445,7 @@ if __name__ == "__main__":
                 weights_q.put(outbox.pop(0))
             if producer_state["error"] is not None:
                 raise RuntimeError("rollout producer failed") from producer_state["error"]
-            if interrupted.is_set():
+            if interrupted.is_set() and world == 1:  # several ranks stop together, after an update
                 raise KeyboardInterrupt
             try:
                 return q.get(timeout=0.05)
@@ -433,23 +453,32 @@ if __name__ == "__main__":
                 if not thread.is_alive() and q.empty() and producer_state["error"] is None:
                     raise RuntimeError("rollout producer exited without producing the batch the trainer needs")
 
-    def snapshot(update: int) -> dict:
-        """Pause the producer at a batch boundary and capture everything a resume needs."""
+    def save(update: int) -> None:
+        """Write runs/<run_name>/checkpoint.pt: every rank hands in its shards, rank 0 pauses the producer at a batch
+        boundary, captures everything a resume needs and writes it."""
+        model_state, optimizer_state = full_state_dicts(policy, optimizer)
+        if rank != 0:
+            barrier()  # until rank 0 has written it (under torchrun, one rank's exit stops all the others)
+            return
         pause_req.set()
         while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
             time.sleep(0.01)
         try:
-            return dict(args=asdict(args), update=update, model=policy.state_dict(), optimizer=optimizer.state_dict(),
-                        rng=rng_state(), next_k=producer_state["next_k"], engine_version=engine.version,
-                        engine_weights={k: v.clone() for k, v in engine.named_weights()},
-                        pending_weights=list(weights_q.queue) + outbox, rollouts=pending + list(rollout_q.queue))
+            state = dict(args=asdict(args), update=update, model=model_state, optimizer=optimizer_state,
+                         rng=rng_state(), next_k=producer_state["next_k"], engine_version=engine.version,
+                         engine_weights={k: v.detach().cpu().clone() for k, v in engine.named_weights()},
+                         pending_weights=list(weights_q.queue) + outbox, rollouts=pending + list(rollout_q.queue))
         finally:
             pause_req.clear()
+        save_checkpoint(ckpt_path, state)
+        barrier()
 
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
-    thread = threading.Thread(target=producer, name="rollout-producer", daemon=True)
-    thread.start()
+    thread = None
+    if rank == 0:
+        thread = threading.Thread(target=producer, name="rollout-producer", daemon=True)
+        thread.start()
 
     # ---------------------------------------------------------------- shared plumbing: evaluation
     eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
@@ -457,17 +486,21 @@ if __name__ == "__main__":
     @torch.no_grad()
     def evaluate(step: int) -> dict:
         policy.eval()
+        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
         responses, truncated = [], []
-        for i in range(0, len(eval_prompts), args.gen_batch_size):
-            r, _, tr = sample(policy, eval_prompts[i:i + args.gen_batch_size], max_new_tokens=args.max_new_tokens,
-                              eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, greedy=True, autocast=args.bf16)
-            responses += r
-            truncated += tr
+        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
+            for i in range(lo, hi, args.gen_batch_size):
+                r, _, tr = sample(policy, eval_prompts[i:min(i + args.gen_batch_size, hi)], eos_ids=eos_ids,
+                                  max_new_tokens=args.max_new_tokens, pad_id=tokenizer.pad_token_id, greedy=True,
+                                  autocast=args.bf16)
+                responses += r
+                truncated += tr
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows)]
+        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
+        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
         policy.train()
         return {"eval/accuracy": float(np.mean(correct)), "eval/truncated_frac": float(np.mean(truncated)),
-                "eval/response_length_mean": float(np.mean([len(r) for r in responses]))}
+                "eval/response_length_mean": float(np.mean(lengths))}
 
     # ---------------------------------------------------------------- training loop
     pending: list[dict] = []  # the batch being consumed (kept for checkpoints until its last minibatch)
@@ -477,13 +510,13 @@ if __name__ == "__main__":
         if update == 0 and args.eval_every > 0:
             metrics = evaluate(0)
             tracker.log(metrics, 0)
-            print(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
+            print0(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
         policy.train()
         while update < args.total_updates:
             k, j = divmod(update, U)
             t_wait = time.time()
             if j == 0 or not pending:  # a new rollout batch (or the partial one a resume restored)
-                batch = trainer_get(rollout_q)
+                batch = broadcast(trainer_get(rollout_q) if rank == 0 else None)  # rank 0's batch, to every rank
                 if batch["k"] != k:
                     raise RuntimeError(f"expected rollout batch {k}, got {batch['k']}")
                 pending = [batch]
@@ -492,27 +525,32 @@ if __name__ == "__main__":
             # ---- algorithm: advantages over the whole rollout batch, then this update's minibatch
             rewards = torch.tensor(batch["rewards"], dtype=torch.float32)
             if args.adv_norm == "group":
-                adv = group_advantages(rewards.view(-1, args.group_size), args.scale_std, args.adv_eps).view(-1)
+                adv = group_advantages(rewards.view(-1, args.group_size), args.scale_std, args.adv_eps).view(-1).to(device)
             else:
-                adv = batch_advantages(rewards, torch.tensor([len(o["response"]) for o in batch["outs"]]), args.adv_eps)
+                adv = batch_advantages(rewards, torch.tensor([len(o["response"]) for o in batch["outs"]]),
+                                       args.adv_eps).to(device)
             order = torch.randperm(args.batch_size, generator=torch.Generator().manual_seed(args.seed * 7919 + k))
             prox_time = 0.0
             if args.decoupled and "prox" not in batch:
                 # ---- algorithm: proximal log-probs, one no-grad pass with the weights at the start of this training
-                # step (before its first minibatch update), over the same micro-batches the updates will use
+                # step (before its first minibatch update), over the same micro-batches the updates will use; the
+                # ranks share them out (round-robin, as the updates do) and every rank gets all the results
                 t_prox, batch["prox"] = time.time(), [None] * args.batch_size
+                prox_micros = []  # every micro-batch of the U minibatches, in the order the updates take them
+                for jj in range(U):
+                    mb_idx = sorted(order[jj * args.minibatch_size:(jj + 1) * args.minibatch_size].tolist())
+                    prox_micros += [mb_idx[c:c + args.micro_batch_size] for c in range(0, len(mb_idx), args.micro_batch_size)]
+                prox = []  # (sample index, its response's proximal log-probs) of this rank's micro-batches
                 with torch.no_grad():
-                    for jj in range(U):
-                        mb_idx = sorted(order[jj * args.minibatch_size:(jj + 1) * args.minibatch_size].tolist())
-                        for c in range(0, len(mb_idx), args.micro_batch_size):
-                            micro = mb_idx[c:c + args.micro_batch_size]
-                            responses = [batch["outs"][i]["response"] for i in micro]
-                            mb = collate([batch["prompts"][i] for i in micro], responses, tokenizer.pad_token_id)
-                            with autocast():
-                                lp, _ = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens,
-                                                          with_grad=False)
-                            for row, (i, r) in enumerate(zip(micro, responses)):
-                                batch["prox"][i] = lp[row, :len(r)].tolist()
+                    for micro in prox_micros[rank::world]:
+                        responses = [batch["outs"][i]["response"] for i in micro]
+                        mb = collate([batch["prompts"][i] for i in micro], responses, tokenizer.pad_token_id, device)
+                        with autocast():
+                            lp, _ = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens,
+                                                      with_grad=False)
+                        prox += [(i, lp[row, :len(r)].tolist()) for row, (i, r) in enumerate(zip(micro, responses))]
+                for i, lp_i in merge_ranks(prox):  # all ranks' results, on every rank
+                    batch["prox"][i] = lp_i
                 prox_time = time.time() - t_prox
             idx = sorted(order[j * args.minibatch_size:(j + 1) * args.minibatch_size].tolist())  # sorted: groups adjacent
             n_seqs, n_tokens = len(idx), sum(len(batch["outs"][i]["response"]) for i in idx)
@@ -523,17 +561,20 @@ if __name__ == "__main__":
             tok = {key: [] for key in ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy", "u", "w", "capped",
                                        "version", "start")}
             policy_loss, seen_tokens = 0.0, 0
-            for micro in (idx[i:i + args.micro_batch_size] for i in range(0, n_seqs, args.micro_batch_size)):
+            micros = [idx[i:i + args.micro_batch_size] for i in range(0, n_seqs, args.micro_batch_size)]
+            for micro in micros[rank::world]:  # this rank's micro-batches (all of them in one process)
                 outs = [batch["outs"][i] for i in micro]
-                mb = collate([batch["prompts"][i] for i in micro], [o["response"] for o in outs], tokenizer.pad_token_id)
+                mb = collate([batch["prompts"][i] for i in micro], [o["response"] for o in outs], tokenizer.pad_token_id,
+                             device)
                 mask = mb["response_mask"]
-                logp_behav = pad_float([o["logprobs"] for o in outs], mask.shape[1])
-                version = pad_float([o["versions"] for o in outs], mask.shape[1])  # the version that sampled each token
-                start = torch.tensor([float(o["version"]) for o in outs])[:, None].expand_as(version)
+                logp_behav = pad_float([o["logprobs"] for o in outs], mask.shape[1], device)
+                # the version that sampled each token
+                version = pad_float([o["versions"] for o in outs], mask.shape[1], device)
+                start = torch.tensor([float(o["version"]) for o in outs], device=device)[:, None].expand_as(version)
                 with autocast():
                     logp, entropy = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens)
                     if args.decoupled:  # ---- algorithm: AReaL's decoupled loss against the proximal policy
-                        logp_prox = pad_float([batch["prox"][i] for i in micro], mask.shape[1])
+                        logp_prox = pad_float([batch["prox"][i] for i in micro], mask.shape[1], device)
                         loss_tok, info = decoupled_ppo_loss(logp, logp_prox, logp_behav, adv[micro], mask,
                                                             args.clip_eps, args.behav_weight_cap)
                         ratio, clipped = torch.exp(logp - logp_behav), info["clipped"]
@@ -547,14 +588,15 @@ if __name__ == "__main__":
                                                             args.logprob_chunk_tokens, with_grad=False)
                         kl = k3_kl(logp, logp_ref)
                     loss = aggregate(loss_tok + args.kl_coef * kl, mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens)
-                loss.backward()  # micro-batch losses sum to the minibatch loss: the gradients accumulate to its gradient
+                loss.backward()  # micro-batch losses sum to the minibatch loss (over ranks too: FSDP sums gradients)
                 policy_loss += aggregate(loss_tok.detach(), mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens).item()
                 seen_tokens += int(mb["attention_mask"].sum())
                 for key, v in (("logp", logp), ("logp_behav", logp_behav), ("ratio", ratio), ("clipped", clipped),
                                ("kl", kl), ("entropy", entropy), ("u", info["u"]), ("w", info["w"]),
                                ("capped", info["capped"]), ("version", version), ("start", start)):
                     tok[key].append(v.detach()[mask])
-            tok = {key: torch.cat(v) for key, v in tok.items()}  # every response token of the minibatch, flattened
+            # every response token of the minibatch (all ranks), flattened; sums over the ranks
+            tok, policy_loss, seen_tokens = merge_ranks(tok, policy_loss, seen_tokens)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             optimizer.step()
             update += 1  # the policy is now version `update`
@@ -568,7 +610,9 @@ if __name__ == "__main__":
                         weights_q.get_nowait()
                     except queue.Empty:
                         pass
-                outbox.append((update, weights_copy()))
+                payload = weights_copy()
+                if rank == 0:
+                    outbox.append((update, payload))
             while outbox:  # blocks while the engine has not taken the previous payload (counted in trainer_wait)
                 try:
                     weights_q.put(outbox[0], timeout=0.05)
@@ -633,24 +677,27 @@ if __name__ == "__main__":
             if args.eval_every > 0 and (update % args.eval_every == 0 or update == args.total_updates):
                 metrics.update(evaluate(update))
             tracker.log(metrics, update)
-            print(progress_line(update, args.total_updates, time.time() - start_time, metrics,
+            print0(progress_line(update, args.total_updates, time.time() - start_time, metrics,
                                 ["charts/reward_mean", "eval/accuracy", "losses/clipfrac", "losses/behav_capped_frac",
                                  "async/staleness_mean", "async/staleness_max",
                                  "charts/gen_tokens_per_sec", "charts/train_tokens_per_sec"]), flush=True)
             if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < args.total_updates:
-                save_checkpoint(ckpt_path, snapshot(update))
+                save(update)
             if update == args.debug_interrupt_at:
                 interrupted.set()
-            if interrupted.is_set():
+            if any(all_ranks(interrupted.is_set())):  # Ctrl-C: every rank stops after this update
                 raise KeyboardInterrupt
-        save_checkpoint(ckpt_path, snapshot(update))
-        print(f"done: {update} updates in {time.time() - start_time:.0f}s; checkpoint {ckpt_path}", flush=True)
+        save(update)
+        print0(f"done: {update} updates in {time.time() - start_time:.0f}s; checkpoint {ckpt_path}", flush=True)
+        shutdown()
     except KeyboardInterrupt:
         if producer_state["error"] is None:
-            save_checkpoint(ckpt_path, snapshot(update))
-            print(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
+            save(update)
+            print0(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
+        shutdown(130)
         sys.exit(130)
     finally:
         stop.set()
-        thread.join(timeout=30)
+        if thread is not None:
+            thread.join(timeout=30)
         tracker.close()

@@ -18,6 +18,8 @@ import tyro
 
 from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,
+                                load_full_state_dicts, merge_ranks, shard_model, shutdown)
 from common.engine import make_engine, sample, weight_payload
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
@@ -35,6 +37,8 @@ class Args:
     """run folder name under runs/ (default: <task>__<exp_name>__<seed>__<unix time>)"""
     track: bool = False
     """log to Weights & Biases (otherwise metrics go to runs/<run_name>/metrics.jsonl only)"""
+    cuda: bool = True
+    """train on CUDA when available: one GPU per trainer rank (torchrun: cuda:LOCAL_RANK); else on CPUs"""
     wandb_project: str = "asyncrl"
     """the wandb project name"""
     model: str = "default"
@@ -61,6 +65,8 @@ class Args:
     """dtype of the rollout engine's copy of the weights"""
     vllm_kv_cache_gib: float = 0.5
     """KV-cache memory of the vLLM engine in GiB, reserved at start (more only raises concurrency)"""
+    vllm_gpus: int = 0
+    """GPUs of the vLLM engine's own on rank 0's node, after the trainer's (tensor parallel; 0: shares rank 0's device)"""
     bf16: bool = True
     """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
     total_updates: int = 20
@@ -134,7 +140,7 @@ def log_z(seq_logp: torch.Tensor, seq_logp_ref: torch.Tensor, rewards: torch.Ten
     All arguments are [N] (sequence log-probs, rewards, slot ids 0..S-1); returns log Z per sample, [N], detached.
     """
     x = (rewards / beta - (seq_logp - seq_logp_ref)).detach().double()
-    num = torch.zeros(int(slot.max()) + 1, dtype=torch.float64).index_add_(0, slot, x)
+    num = torch.zeros(int(slot.max()) + 1, dtype=torch.float64, device=x.device).index_add_(0, slot, x)
     cnt = torch.zeros_like(num).index_add_(0, slot, torch.ones_like(x))
     return (num / cnt)[slot].float()
 
@@ -211,6 +217,8 @@ def sample_slots(buffer: dict, num_slots: int, k: int, recency_prob: float, inv_
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    rank, world, device = init_distributed(args.cuda)  # torchrun: one trainer process per rank; else rank 0 of 1
+    print0 = print if rank == 0 else lambda *a, **k: None  # rank 0 logs
     # ---------------------------------------------------------------- shared plumbing: checks and setup
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0 (the sync period in updates; 0: synchronous), got {args.staleness}")
@@ -241,7 +249,15 @@ if __name__ == "__main__":
         if args.total_updates <= ckpt["update"]:
             raise SystemExit(f"--resume: the checkpoint is at update {ckpt['update']}; pass --total-updates N with "
                              f"N > {ckpt['update']} to train further")
-    run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    slots_per_micro = args.micro_batch_size // args.group_size  # whole slots (<= K samples each) per micro-batch
+    n_micro = -(-args.prompts_per_batch // slots_per_micro)  # micro-batches per update, dealt out to the ranks
+    if n_micro % world:
+        raise SystemExit(f"a batch of {args.prompts_per_batch} prompt slots (up to {args.group_size} samples each) makes "
+                         f"{n_micro} micro-batches of {slots_per_micro} slot(s) under --micro-batch-size "
+                         f"{args.micro_batch_size}, which cannot be dealt evenly to {world} trainer ranks: choose "
+                         f"--micro-batch-size M with ceil({args.prompts_per_batch} / floor(M / {args.group_size})) a "
+                         f"multiple of {world}")
+    run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     args.run_name = run_name
     run_dir = os.path.join("runs", run_name)
     torch.manual_seed(args.seed)
@@ -252,19 +268,25 @@ if __name__ == "__main__":
                      seed=args.seed)
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
-    policy = load_model(model_path)
+    policy = load_model(model_path).to(device)
     policy.config.use_cache = False
     gen_eos = policy.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
-    ref_model = load_model(model_path).eval().requires_grad_(False)  # pi_ref of the TB target
+    ref_model = None  # pi_ref of the TB target: only rank 0's searcher runs it, whole (not sharded: no collectives)
+    if rank == 0:
+        ref_model = load_model(model_path).to(device).eval().requires_grad_(False)
+    engine = None  # rank 0 owns the rollout engine (made from the full, not yet sharded, policy)
+    if rank == 0:
+        engine = make_engine(args.engine, policy, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+                             dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size, seed=args.seed,
+                             kv_cache_gib=args.vllm_kv_cache_gib, gpus=args.vllm_gpus)
+    policy = shard_model(policy)  # FSDP2 over the trainer ranks (one process: unchanged)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     lr_at = lambda v: args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
-    engine = make_engine(args.engine, policy, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-                         dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size, seed=args.seed,
-                         kv_cache_gib=args.vllm_kv_cache_gib)
-    # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype
-    weights_copy = lambda: weight_payload(policy, engine.dtype)
-    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype (every rank gathers,
+    # rank 0 keeps it)
+    weights_copy = lambda: weight_payload(policy, getattr(torch, args.engine_dtype), keep=rank == 0)
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     chat = task.chat if args.chat_template is None else args.chat_template
     encode = lambda row: encode_prompt(tokenizer, task.prompt(row), chat)
     s, P, K = args.staleness, args.prompts_per_batch, args.group_size
@@ -280,27 +302,30 @@ if __name__ == "__main__":
     producer_state = {"next_round": 0, "update": 0, "error": None, "gen_time": 0.0, "ref_time": 0.0, "gen_tokens": 0,
                       "gen_total_time": 0.0, "producer_wait": 0.0, "weight_sync": 0.0, "duplicates": 0, "evicted": 0}
     start_update, pending_weights = 0, []
-    if ckpt is not None:
-        policy.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt is not None:  # full state dicts: the checkpoint resumes on any number of ranks
+        load_full_state_dicts(policy, optimizer, ckpt["model"] if rank == 0 else {}, ckpt["optimizer"] if rank == 0 else {})
         set_rng_state(ckpt["rng"])
-        sampler.bit_generator.state = ckpt["sampler"]
-        engine.load_weights(ckpt["engine_weights"].items(), ckpt["engine_version"])
-        buffer.update(ckpt["buffer"])
+        if rank == 0:  # rank 0 owns the engine, the buffer and the slot draws
+            sampler.bit_generator.state = ckpt["sampler"]
+            engine.load_weights(ckpt["engine_weights"].items(), ckpt["engine_version"])
+            buffer.update(ckpt["buffer"])
         producer_state.update(ckpt["searcher"])
         start_update = producer_state["update"] = ckpt["update"]
         pending_weights = list(ckpt["pending_weights"])
         last_sync = start_update - start_update % args.sync_every
-        if not pending_weights and engine.version < last_sync:  # the run ended before handing over its last sync
-            pending_weights = [(start_update, weights_copy())]
-        for item in pending_weights:
-            weights_q.put(item)
+        if not pending_weights and ckpt["engine_version"] < last_sync:  # the run ended before handing over its last sync
+            payload = weights_copy()
+            if rank == 0:
+                pending_weights = [(start_update, payload)]
+        if rank == 0:
+            for item in pending_weights:
+                weights_q.put(item)
     tracker = Tracker(run_dir, asdict(args), track=args.track, project=args.wandb_project, run_name=run_name,
-                      resume=ckpt is not None)
-    print(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
+                      resume=ckpt is not None, enabled=rank == 0)
+    print0(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
           f"{task.info['prompt_template']}) | model {model_path} | batch {P} prompts x {K} samples | sync every "
-          f"{args.sync_every} update(s), recency draws <= {s} updates old, m = {m} | {args.total_updates} updates",
-          flush=True)
+          f"{args.sync_every} update(s), recency draws <= {s} updates old, m = {m} | {args.total_updates} updates | "
+           f"{world} trainer rank(s) on {device.type}", flush=True)
 
     # ---------------------------------------------------------------- shared plumbing: rollout producer (thread)
     def wait_or_pause(get):
@@ -367,7 +392,7 @@ if __name__ == "__main__":
                 for i in range(0, len(outs), args.micro_batch_size):
                     part = outs[i:i + args.micro_batch_size]
                     mb = collate([unique[(i + j) // K] for j in range(len(part))], [o["response"] for o in part],
-                                 tokenizer.pad_token_id)
+                                 tokenizer.pad_token_id, device)
                     with autocast(), torch.no_grad():
                         lp, _ = response_logprobs(ref_model, mb, args.temperature, args.logprob_chunk_tokens,
                                                   with_grad=False)
@@ -396,7 +421,7 @@ if __name__ == "__main__":
         while True:
             if producer_state["error"] is not None:
                 raise RuntimeError("searcher failed") from producer_state["error"]
-            if interrupted.is_set():
+            if interrupted.is_set() and world == 1:  # several ranks stop together, after an update
                 raise KeyboardInterrupt
             with buffer_lock:
                 if ready():
@@ -405,47 +430,60 @@ if __name__ == "__main__":
                 raise RuntimeError("searcher exited without producing the round the trainer needs")
             time.sleep(0.02)
 
-    def snapshot(update: int) -> dict:
-        """Pause the searcher at a round boundary and capture everything a resume needs."""
+    def save(update: int) -> None:
+        """Write runs/<run_name>/checkpoint.pt: every rank hands in its shards, rank 0 pauses the searcher at a round
+        boundary, captures everything a resume needs and writes it."""
+        model_state, optimizer_state = full_state_dicts(policy, optimizer)
+        if rank != 0:
+            barrier()  # until rank 0 has written it (under torchrun, one rank's exit stops all the others)
+            return
         pause_req.set()
         while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
             time.sleep(0.01)
         try:
-            return dict(args=asdict(args), update=update, model=policy.state_dict(), optimizer=optimizer.state_dict(),
-                        rng=rng_state(), sampler=sampler.bit_generator.state, buffer=buffer,
-                        searcher={k: v for k, v in producer_state.items() if k != "error"},
-                        engine_version=engine.version,
-                        engine_weights={k: v.clone() for k, v in engine.named_weights()},
-                        pending_weights=list(weights_q.queue))
+            state = dict(args=asdict(args), update=update, model=model_state, optimizer=optimizer_state,
+                         rng=rng_state(), sampler=sampler.bit_generator.state, buffer=buffer,
+                         searcher={k: v for k, v in producer_state.items() if k != "error"},
+                         engine_version=engine.version,
+                         engine_weights={k: v.detach().cpu().clone() for k, v in engine.named_weights()},
+                         pending_weights=list(weights_q.queue))
         finally:
             pause_req.clear()
+        save_checkpoint(ckpt_path, state)
+        barrier()
 
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
-    thread = threading.Thread(target=searcher, name="searcher", daemon=True)
-    thread.start()
+    thread = None
+    if rank == 0:
+        thread = threading.Thread(target=searcher, name="searcher", daemon=True)
+        thread.start()
 
     # ---------------------------------------------------------------- shared plumbing: evaluation
     eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
 
     @torch.no_grad()
     def evaluate(step: int) -> dict:
-        pause_req.set()  # the searcher waits at a round boundary: the greedy eval does not share the CPU
-        while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
+        pause_req.set()  # the searcher (rank 0's) waits at a round boundary: the greedy eval does not share the CPU
+        while thread is not None and thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
             time.sleep(0.01)
         policy.eval()
+        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
         responses, truncated = [], []
-        for i in range(0, len(eval_prompts), args.gen_batch_size):
-            r, _, tr = sample(policy, eval_prompts[i:i + args.gen_batch_size], max_new_tokens=args.max_new_tokens,
-                              eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, greedy=True, autocast=args.bf16)
-            responses += r
-            truncated += tr
+        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
+            for i in range(lo, hi, args.gen_batch_size):
+                r, _, tr = sample(policy, eval_prompts[i:min(i + args.gen_batch_size, hi)], eos_ids=eos_ids,
+                                  max_new_tokens=args.max_new_tokens, pad_id=tokenizer.pad_token_id, greedy=True,
+                                  autocast=args.bf16)
+                responses += r
+                truncated += tr
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows)]
+        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
+        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
         policy.train()
         pause_req.clear()
         return {"eval/accuracy": float(np.mean(correct)), "eval/truncated_frac": float(np.mean(truncated)),
-                "eval/response_length_mean": float(np.mean([len(r) for r in responses]))}
+                "eval/response_length_mean": float(np.mean(lengths))}
 
     # ---------------------------------------------------------------- training loop
     start_time, ckpt_path = time.time(), os.path.join(run_dir, "checkpoint.pt")
@@ -454,28 +492,28 @@ if __name__ == "__main__":
         if update == 0 and args.eval_every > 0:
             metrics = evaluate(0)
             tracker.log(metrics, 0)
-            print(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
+            print0(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
         policy.train()
         while update < args.total_updates:
             t_wait = time.time()
             # ---- algorithm: wait for a round at most s updates old, then fill P slots by recency or priority
-            trainer_wait_for(lambda: bool(buffer) and max(b[-1]["version"] for b in buffer.values()) >= update - s)
-            with buffer_lock:
-                slots = sample_slots(buffer, P, K, m, args.priority_inv_temp, sampler)
-                buffer_size, buffer_prompts = sum(len(b) for b in buffer.values()), len(buffer)
-                rounds = producer_state["next_round"]  # counters as of this draw
-                dropped = (producer_state["duplicates"], producer_state["evicted"])
+            if rank == 0:  # rank 0 holds the replay buffer and draws from it
+                trainer_wait_for(lambda: bool(buffer) and max(b[-1]["version"] for b in buffer.values()) >= update - s)
+                with buffer_lock:
+                    slots = sample_slots(buffer, P, K, m, args.priority_inv_temp, sampler)
+                    buffer_size, buffer_prompts = sum(len(b) for b in buffer.values()), len(buffer)
+                    rounds = producer_state["next_round"]  # counters as of this draw
+                    dropped = (producer_state["duplicates"], producer_state["evicted"])
+            slots, buffer_size, buffer_prompts, rounds, dropped = broadcast(  # rank 0's draw, to every rank
+                (slots, buffer_size, buffer_prompts, rounds, dropped) if rank == 0 else None)
             trainer_wait = time.time() - t_wait
             samples = [(p, h, j, rec) for j, (p, items, rec) in enumerate(slots) for h in items]  # slot-major
             N = len(samples)
             first = np.cumsum([0] + [len(items) for _, items, _ in slots])  # slot j: samples first[j] .. first[j+1]-1
-            micros, cur = [], []  # whole slots per micro-batch (log Z needs all of a slot's samples)
-            for j in range(len(slots)):
-                if cur and len(cur) + first[j + 1] - first[j] > args.micro_batch_size:
-                    micros.append(cur)
-                    cur = []
-                cur += range(first[j], first[j + 1])
-            micros.append(cur)
+            # whole slots per micro-batch (log Z needs all of a slot's samples), slots_per_micro of them: n_micro
+            # micro-batches of at most --micro-batch-size samples whatever the slots hold
+            micros = [list(range(first[j], first[min(j + slots_per_micro, len(slots))]))
+                      for j in range(0, len(slots), slots_per_micro)]
             beta = beta_at(update, args.beta_start, args.beta_end, anneal)
             t0 = time.time()
             for g in optimizer.param_groups:
@@ -485,19 +523,19 @@ if __name__ == "__main__":
             tok = {key: [] for key in ("logp", "logp_behav", "entropy")}
             fresh_tok = []  # per-token |trainer - engine| log-prob differences of samples of the current version
             policy_loss, seen_tokens, n_tokens = 0.0, 0, 0
-            for micro in micros:
+            for micro in micros[rank::world]:  # this rank's micro-batches (all of them in one process)
                 mb = collate([list(samples[i][0]) for i in micro], [samples[i][1]["response"] for i in micro],
-                             tokenizer.pad_token_id)
+                             tokenizer.pad_token_id, device)
                 mask = mb["response_mask"]
-                logp_behav = pad_float([samples[i][1]["logprobs"] for i in micro], mask.shape[1])
-                rewards = torch.tensor([samples[i][1]["reward"] for i in micro], dtype=torch.float32)
-                logp_ref = torch.tensor([samples[i][1]["logp_ref"] for i in micro], dtype=torch.float32)
-                slot = torch.unique(torch.tensor([samples[i][2] for i in micro]), return_inverse=True)[1]
+                logp_behav = pad_float([samples[i][1]["logprobs"] for i in micro], mask.shape[1], device)
+                rewards = torch.tensor([samples[i][1]["reward"] for i in micro], dtype=torch.float32, device=device)
+                logp_ref = torch.tensor([samples[i][1]["logp_ref"] for i in micro], dtype=torch.float32, device=device)
+                slot = torch.unique(torch.tensor([samples[i][2] for i in micro], device=device), return_inverse=True)[1]
                 with autocast():
                     logp, entropy = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens)
                     seq_logp = (logp * mask).sum(-1)  # sequence log-prob at the sampling temperature
                     loss, lz, delta = tb_loss(seq_logp, logp_ref, rewards, slot, beta, N)
-                loss.backward()  # micro-batch losses sum to the batch loss: the gradients accumulate to its gradient
+                loss.backward()  # micro-batch losses sum to the batch loss (over ranks too: FSDP sums gradients)
                 policy_loss += loss.item()
                 seen_tokens += int(mb["attention_mask"].sum())
                 n_tokens += int(mask.sum())
@@ -505,10 +543,13 @@ if __name__ == "__main__":
                     seq[key].append(v.detach())
                 for key, v in (("logp", logp), ("logp_behav", logp_behav), ("entropy", entropy)):
                     tok[key].append(v.detach()[mask])
-                fresh = torch.tensor([samples[i][1]["version"] == update for i in micro])
+                fresh = torch.tensor([samples[i][1]["version"] == update for i in micro], device=device)
                 fresh_tok.append((logp.detach() - logp_behav).abs()[mask & fresh[:, None]])
-            seq = {key: torch.cat(v) for key, v in seq.items()}
-            tok = {key: torch.cat(v) for key, v in tok.items()}
+            # every sample and response token of the batch (all ranks), flattened; sums over the ranks
+            seq, tok, fresh_tok, seq_ids, policy_loss, seen_tokens, n_tokens = merge_ranks(
+                seq, tok, fresh_tok, [i for micro in micros[rank::world] for i in micro], policy_loss, seen_tokens,
+                n_tokens)
+            seq = {key: v[torch.as_tensor(np.argsort(seq_ids))] for key, v in seq.items()}  # back in sample order
             fresh_tok = torch.cat(fresh_tok)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             optimizer.step()
@@ -517,12 +558,13 @@ if __name__ == "__main__":
             # ---- shared plumbing: weight sync to the searcher every sync_every updates (the newest payload wins)
             t1 = time.time()
             if update % args.sync_every == 0 and update < args.total_updates:
-                payload = (update, weights_copy())
-                try:
-                    weights_q.get_nowait()  # a payload the searcher has not taken yet is superseded
-                except queue.Empty:
-                    pass
-                weights_q.put(payload)
+                payload = weights_copy()
+                if rank == 0:
+                    try:
+                        weights_q.get_nowait()  # a payload the searcher has not taken yet is superseded
+                    except queue.Empty:
+                        pass
+                    weights_q.put((update, payload))
             producer_state["update"] = update  # published after the payload: a round allowed from now on sees it
             sync_push = time.time() - t1
             release_free_memory()  # this update's freed activation/gradient blocks go back to the OS
@@ -578,23 +620,26 @@ if __name__ == "__main__":
             if args.eval_every > 0 and (update % args.eval_every == 0 or update == args.total_updates):
                 metrics.update(evaluate(update))
             tracker.log(metrics, update)
-            print(progress_line(update, args.total_updates, time.time() - start_time, metrics,
+            print0(progress_line(update, args.total_updates, time.time() - start_time, metrics,
                                 ["charts/reward_mean", "eval/accuracy", "tba/logZ_mean", "losses/kl", "tba/samples",
                                  "async/staleness_mean", "tba/buffer_size"]), flush=True)
             if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < args.total_updates:
-                save_checkpoint(ckpt_path, snapshot(update))
+                save(update)
             if update == args.debug_interrupt_at:
                 interrupted.set()
-            if interrupted.is_set():
+            if any(all_ranks(interrupted.is_set())):  # Ctrl-C: every rank stops after this update
                 raise KeyboardInterrupt
-        save_checkpoint(ckpt_path, snapshot(update))
-        print(f"done: {update} updates in {time.time() - start_time:.0f}s; checkpoint {ckpt_path}", flush=True)
+        save(update)
+        print0(f"done: {update} updates in {time.time() - start_time:.0f}s; checkpoint {ckpt_path}", flush=True)
+        shutdown()
     except KeyboardInterrupt:
         if producer_state["error"] is None:
-            save_checkpoint(ckpt_path, snapshot(update))
-            print(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
+            save(update)
+            print0(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
+        shutdown(130)
         sys.exit(130)
     finally:
         stop.set()
-        thread.join(timeout=30)
+        if thread is not None:
+            thread.join(timeout=30)
         tracker.close()

@@ -20,6 +20,8 @@ import tyro
 
 from common.batching import collate, pad_float, response_hidden, response_logprobs
 from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,
+                                load_full_state_dicts, merge_ranks, shard_model, shutdown)
 from common.engine import make_engine, sample, weight_payload
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
@@ -37,6 +39,8 @@ class Args:
     """run folder name under runs/ (default: <task>__<exp_name>__<seed>__<unix time>)"""
     track: bool = False
     """log to Weights & Biases (otherwise metrics go to runs/<run_name>/metrics.jsonl only)"""
+    cuda: bool = True
+    """train on CUDA when available: one GPU per trainer rank (torchrun: cuda:LOCAL_RANK); else on CPUs"""
     wandb_project: str = "asyncrl"
     """the wandb project name"""
     model: str = "default"
@@ -63,6 +67,8 @@ class Args:
     """dtype of the rollout engine's copy of the weights"""
     vllm_kv_cache_gib: float = 0.5
     """KV-cache memory of the vLLM engine in GiB, reserved at start (more only raises concurrency)"""
+    vllm_gpus: int = 0
+    """GPUs of the vLLM engine's own on rank 0's node, after the trainer's (tensor parallel; 0: shares rank 0's device)"""
     bf16: bool = True
     """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
     total_updates: int = 20
@@ -284,6 +290,8 @@ def batch_version(k: int, updates_per_batch: int, staleness: int) -> int:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    rank, world, device = init_distributed(args.cuda)  # torchrun: one trainer process per rank; else rank 0 of 1
+    print0 = print if rank == 0 else lambda *a, **k: None  # rank 0 logs
     # ---------------------------------------------------------------- shared plumbing: checks and setup
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
@@ -313,7 +321,12 @@ if __name__ == "__main__":
         if args.total_updates <= ckpt["update"]:
             raise SystemExit(f"--resume: the checkpoint is at update {ckpt['update']}; pass --total-updates N with "
                              f"N > {ckpt['update']} to train further")
-    run_name = args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    n_micro = -(-args.minibatch_size // args.micro_batch_size)  # micro-batches per update, dealt out to the ranks
+    if n_micro % world:
+        raise SystemExit(f"a minibatch of {args.minibatch_size} samples makes {n_micro} micro-batches of "
+                         f"--micro-batch-size {args.micro_batch_size}, which cannot be dealt evenly to {world} trainer "
+                         f"ranks: choose --micro-batch-size M with ceil({args.minibatch_size} / M) a multiple of {world}")
+    run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     args.run_name = run_name
     run_dir = os.path.join("runs", run_name)
     torch.manual_seed(args.seed)
@@ -324,27 +337,31 @@ if __name__ == "__main__":
                      seed=args.seed)
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
-    policy = load_model(model_path)
+    policy = load_model(model_path).to(device)
     policy.config.use_cache = False
     gen_eos = policy.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
     ref_model = None
     if args.kl_coef > 0:
-        ref_model = load_model(model_path).eval().requires_grad_(False)
+        ref_model = shard_model(load_model(model_path).to(device).eval().requires_grad_(False))
+    engine = None  # rank 0 owns the rollout engine (made from the full, not yet sharded, policy)
+    if rank == 0:
+        engine = make_engine(args.engine, policy, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
+                             dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size, seed=args.seed,
+                             kv_cache_gib=args.vllm_kv_cache_gib, gpus=args.vllm_gpus)
+    policy = shard_model(policy)  # FSDP2 over the trainer ranks (one process: unchanged)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     critic, critic_optimizer = None, None
     if args.value_estimator == "critic":  # a separate network initialised from the same pretrained model
-        critic = Critic(load_model(model_path))
+        critic = shard_model(Critic(load_model(model_path)).to(device))  # sharded like the policy (its own FSDP root)
         critic_optimizer = torch.optim.AdamW([dict(params=critic.lm.parameters(), lr=args.critic_learning_rate),
                                               dict(params=critic.head.parameters(), lr=args.critic_head_learning_rate)],
                                              weight_decay=args.weight_decay)
     lr_at = lambda v: args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
-    engine = make_engine(args.engine, policy, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-                         dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size, seed=args.seed,
-                         kv_cache_gib=args.vllm_kv_cache_gib)
-    # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype
-    weights_copy = lambda: weight_payload(policy, engine.dtype)
-    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype (every rank gathers,
+    # rank 0 keeps it)
+    weights_copy = lambda: weight_payload(policy, getattr(torch, args.engine_dtype), keep=rank == 0)
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     chat = task.chat if args.chat_template is None else args.chat_template
     encode = lambda row: encode_prompt(tokenizer, task.prompt(row), chat)
     U, s = args.updates_per_batch * args.epochs, args.staleness  # U: optimizer updates per rollout batch
@@ -363,20 +380,20 @@ if __name__ == "__main__":
     producer_state = {"next_k": 0, "error": None}
     outbox: list = []  # weight payloads not yet handed to the engine
     start_update, skipped_batches = 0, 0
-    if ckpt is not None:
-        policy.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt is not None:  # full state dicts: the checkpoint resumes on any number of ranks
+        load_full_state_dicts(policy, optimizer, ckpt["model"] if rank == 0 else {}, ckpt["optimizer"] if rank == 0 else {})
         skipped_batches = ckpt["skipped_batches"]
         if critic is not None:
-            critic.load_state_dict(ckpt["critic"])
-            critic_optimizer.load_state_dict(ckpt["critic_optimizer"])
+            load_full_state_dicts(critic, critic_optimizer, ckpt["critic"] if rank == 0 else {},
+                                  ckpt["critic_optimizer"] if rank == 0 else {})
         set_rng_state(ckpt["rng"])
-        engine.load_weights(ckpt["engine_weights"].items(), ckpt["engine_version"])
-        outbox = list(ckpt["pending_weights"])  # flushed into weights_q by the trainer
-        for b in ckpt["rollouts"]:
-            rollout_q.put(b)
+        if rank == 0:
+            engine.load_weights(ckpt["engine_weights"].items(), ckpt["engine_version"])
+            outbox = list(ckpt["pending_weights"])  # flushed into weights_q by the trainer
+            for b in ckpt["rollouts"]:
+                rollout_q.put(b)
         producer_state["next_k"], start_update = ckpt["next_k"], ckpt["update"]
-        held = {v for v, _ in outbox} | {engine.version}  # versions whose weights the checkpoint kept
+        held = {v for v, _ in ckpt["pending_weights"]} | {ckpt["engine_version"]}  # versions whose weights it kept
         missing = [k for k in range(ckpt["next_k"], num_batches)
                    if batch_version(k, U, s) < start_update and batch_version(k, U, s) not in held]
         if missing:
@@ -385,13 +402,16 @@ if __name__ == "__main__":
                              f"{ckpt['args']['total_updates']} updates); resume with --total-updates <= that, or "
                              f"plan the longer run from the start")
         if needs_payload(start_update) and start_update not in held:  # the run being extended ended here
-            outbox.append((start_update, weights_copy()))
+            payload = weights_copy()
+            if rank == 0:
+                outbox.append((start_update, payload))
     tracker = Tracker(run_dir, asdict(args), track=args.track, project=args.wandb_project, run_name=run_name,
-                      resume=ckpt is not None)
-    print(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
+                      resume=ckpt is not None, enabled=rank == 0)
+    print0(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
           f"{task.info['prompt_template']}) | model {model_path} | batch {args.prompts_per_batch}x{args.group_size} | "
-          f"{U} update(s)/batch | staleness {s} (FIFO depth {-(-s // U)} batches) | {args.total_updates} updates | values "
-          f"{args.value_estimator}" + (f" (K={K}, <= {args.max_steps} states/response)" if critic is None else ""), flush=True)
+          f"{U} update(s)/batch | staleness {s} (FIFO depth {-(-s // U)} batches) | {args.total_updates} updates | "
+           f"{world} trainer rank(s) on {device.type} | values {args.value_estimator}"
+           + (f" (K={K}, <= {args.max_steps} states/response)" if critic is None else ""), flush=True)
 
     # ---------------------------------------------------------------- shared plumbing: rollout producer (thread)
     def wait_or_pause(get):
@@ -474,7 +494,7 @@ if __name__ == "__main__":
                 weights_q.put(outbox.pop(0))
             if producer_state["error"] is not None:
                 raise RuntimeError("rollout producer failed") from producer_state["error"]
-            if interrupted.is_set():
+            if interrupted.is_set() and world == 1:  # several ranks stop together, after an update
                 raise KeyboardInterrupt
             try:
                 return q.get(timeout=0.05)
@@ -482,26 +502,36 @@ if __name__ == "__main__":
                 if not thread.is_alive() and q.empty() and producer_state["error"] is None:
                     raise RuntimeError("rollout producer exited without producing the batch the trainer needs")
 
-    def snapshot(update: int) -> dict:
-        """Pause the producer at a batch boundary and capture everything a resume needs."""
+    def save(update: int) -> None:
+        """Write runs/<run_name>/checkpoint.pt: every rank hands in its shards, rank 0 pauses the producer at a batch
+        boundary, captures everything a resume needs and writes it."""
+        model_state, optimizer_state = full_state_dicts(policy, optimizer)
+        critic_state, critic_optimizer_state = None, None
+        if critic is not None:  # the critic and its optimizer, gathered the same way
+            critic_state, critic_optimizer_state = full_state_dicts(critic, critic_optimizer)
+        if rank != 0:
+            barrier()  # until rank 0 has written it (under torchrun, one rank's exit stops all the others)
+            return
         pause_req.set()
         while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
             time.sleep(0.01)
         try:
-            return dict(args=asdict(args), update=update, model=policy.state_dict(), optimizer=optimizer.state_dict(),
-                        skipped_batches=skipped_batches,
-                        critic=critic.state_dict() if critic is not None else None,
-                        critic_optimizer=critic_optimizer.state_dict() if critic is not None else None,
-                        rng=rng_state(), next_k=producer_state["next_k"], engine_version=engine.version,
-                        engine_weights={k: v.clone() for k, v in engine.named_weights()},
-                        pending_weights=list(weights_q.queue) + outbox, rollouts=pending + list(rollout_q.queue))
+            state = dict(args=asdict(args), update=update, model=model_state, optimizer=optimizer_state,
+                         skipped_batches=skipped_batches, critic=critic_state, critic_optimizer=critic_optimizer_state,
+                         rng=rng_state(), next_k=producer_state["next_k"], engine_version=engine.version,
+                         engine_weights={k: v.detach().cpu().clone() for k, v in engine.named_weights()},
+                         pending_weights=list(weights_q.queue) + outbox, rollouts=pending + list(rollout_q.queue))
         finally:
             pause_req.clear()
+        save_checkpoint(ckpt_path, state)
+        barrier()
 
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
-    thread = threading.Thread(target=producer, name="rollout-producer", daemon=True)
-    thread.start()
+    thread = None
+    if rank == 0:
+        thread = threading.Thread(target=producer, name="rollout-producer", daemon=True)
+        thread.start()
 
     # ---------------------------------------------------------------- shared plumbing: evaluation
     eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
@@ -509,17 +539,21 @@ if __name__ == "__main__":
     @torch.no_grad()
     def evaluate(step: int) -> dict:
         policy.eval()
+        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
         responses, truncated = [], []
-        for i in range(0, len(eval_prompts), args.gen_batch_size):
-            r, _, tr = sample(policy, eval_prompts[i:i + args.gen_batch_size], max_new_tokens=args.max_new_tokens,
-                              eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, greedy=True, autocast=args.bf16)
-            responses += r
-            truncated += tr
+        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
+            for i in range(lo, hi, args.gen_batch_size):
+                r, _, tr = sample(policy, eval_prompts[i:min(i + args.gen_batch_size, hi)], eos_ids=eos_ids,
+                                  max_new_tokens=args.max_new_tokens, pad_id=tokenizer.pad_token_id, greedy=True,
+                                  autocast=args.bf16)
+                responses += r
+                truncated += tr
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows)]
+        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
+        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
         policy.train()
         return {"eval/accuracy": float(np.mean(correct)), "eval/truncated_frac": float(np.mean(truncated)),
-                "eval/response_length_mean": float(np.mean([len(r) for r in responses]))}
+                "eval/response_length_mean": float(np.mean(lengths))}
 
     # ---------------------------------------------------------------- training loop
     pending: list[dict] = []  # the batch being consumed (kept for checkpoints until its last minibatch)
@@ -529,13 +563,13 @@ if __name__ == "__main__":
         if update == 0 and args.eval_every > 0:
             metrics = evaluate(0)
             tracker.log(metrics, 0)
-            print(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
+            print0(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
         policy.train()
         while update < args.total_updates:
             k, j = divmod(update, U)
             t_wait = time.time()
             if j == 0 or not pending:  # a new rollout batch (or the partial one a resume restored)
-                batch = trainer_get(rollout_q)
+                batch = broadcast(trainer_get(rollout_q) if rank == 0 else None)  # rank 0's batch, to every rank
                 if batch["k"] != k:
                     raise RuntimeError(f"expected rollout batch {k}, got {batch['k']}")
                 pending = [batch]
@@ -557,22 +591,27 @@ if __name__ == "__main__":
                     batch["value_stats"] = (float(np.mean(batch["state_values"])), float(np.std(batch["state_values"])))
                 else:  # PPO: the critic's values of every response state (before this batch's updates), GAE lambda=1
                     values = torch.zeros(len(lengths), width)
+                    # micro-batches of each minibatch-sized slice of the batch (as many as the updates': a multiple of
+                    # the ranks), dealt to the ranks; each row is filled on one rank, so the sum over ranks is them all
+                    spans = [slice(i, min(i + args.micro_batch_size, m + args.minibatch_size))
+                             for m in range(0, len(lengths), args.minibatch_size)
+                             for i in range(m, m + args.minibatch_size, args.micro_batch_size)]
                     critic.eval()
                     with torch.no_grad(), autocast():
-                        for i in range(0, len(lengths), args.micro_batch_size):
-                            sl = slice(i, i + args.micro_batch_size)
+                        for sl in spans[rank::world]:
                             mb = collate(batch["prompts"][sl], [o["response"] for o in batch["outs"][sl]],
-                                         tokenizer.pad_token_id)
+                                         tokenizer.pad_token_id, device)
                             v = critic(mb)
                             values[sl, :v.shape[1]] = v * mb["response_mask"]
                     critic.train()
+                    values = merge_ranks(values)
                     terminal = torch.zeros(len(lengths), width)
                     terminal[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = torch.tensor(batch["rewards"])
                     raw = gae(terminal, values, mask_all)
                     batch["nonzero_adv_frac"] = float((raw[mask_all].abs() > 1e-6).float().mean())
                     batch["value_stats"] = (values[mask_all].mean().item(), values[mask_all].std().item())
                 batch["adv"] = whiten(raw, mask_all, args.adv_eps) if args.whiten_advantages else raw
-            adv = batch["adv"]
+            adv = batch["adv"].to(device)
             epoch, jm = divmod(j, args.updates_per_batch)
             epoch_seed = args.seed * 7919 + k + 104_729 * epoch  # epoch 0: grpo.py's minibatch order
             order = torch.randperm(args.batch_size, generator=torch.Generator().manual_seed(epoch_seed))
@@ -585,11 +624,13 @@ if __name__ == "__main__":
                 critic_optimizer.zero_grad(set_to_none=True)
             tok = {key: [] for key in ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy")}
             policy_loss, value_loss, seen_tokens = 0.0, 0.0, 0
-            for micro in (idx[i:i + args.micro_batch_size] for i in range(0, n_seqs, args.micro_batch_size)):
+            micros = [idx[i:i + args.micro_batch_size] for i in range(0, n_seqs, args.micro_batch_size)]
+            for micro in micros[rank::world]:  # this rank's micro-batches (all of them in one process)
                 outs = [batch["outs"][i] for i in micro]
-                mb = collate([batch["prompts"][i] for i in micro], [o["response"] for o in outs], tokenizer.pad_token_id)
+                mb = collate([batch["prompts"][i] for i in micro], [o["response"] for o in outs], tokenizer.pad_token_id,
+                             device)
                 mask = mb["response_mask"]
-                logp_behav = pad_float([o["logprobs"] for o in outs], mask.shape[1])
+                logp_behav = pad_float([o["logprobs"] for o in outs], mask.shape[1], device)
                 with autocast():
                     logp, entropy = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens)
                     adv_tok = adv[micro][:, :mask.shape[1]]  # token advantages of this micro-batch
@@ -601,11 +642,11 @@ if __name__ == "__main__":
                                                             args.logprob_chunk_tokens, with_grad=False)
                         kl = k3_kl(logp, logp_ref)
                     loss = aggregate(loss_tok + args.kl_coef * kl, mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens)
-                loss.backward()  # micro-batch losses sum to the minibatch loss: the gradients accumulate to its gradient
+                loss.backward()  # micro-batch losses sum to the minibatch loss (over ranks too: FSDP sums gradients)
                 policy_loss += aggregate(loss_tok.detach(), mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens).item()
                 if critic is not None:  # value loss: 0.5 (V_t - R)^2 on every response state (the GAE lambda=1 target)
                     with autocast():
-                        target = torch.tensor([batch["rewards"][i] for i in micro])[:, None]
+                        target = torch.tensor([batch["rewards"][i] for i in micro], device=device)[:, None]
                         vloss = aggregate(0.5 * (critic(mb) - target) ** 2, mask, "token-mean", None, n_seqs, n_tokens)
                     vloss.backward()
                     value_loss += vloss.item()
@@ -613,9 +654,11 @@ if __name__ == "__main__":
                 for key, v in (("logp", logp), ("logp_behav", logp_behav), ("ratio", ratio), ("clipped", clipped),
                                ("kl", kl), ("entropy", entropy)):
                     tok[key].append(v.detach()[mask])
-            tok = {key: torch.cat(v) for key, v in tok.items()}  # every response token of the minibatch, flattened
+            # every response token of the minibatch (all ranks), flattened; sums over the ranks
+            tok, policy_loss, value_loss, seen_tokens = merge_ranks(tok, policy_loss, value_loss, seen_tokens)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            skip = ratio_guard_trips(tok["ratio"], args.ratio_guard)  # the version still advances (the lag clock)
+            # the version still advances (the lag clock); decided from all ranks' tokens: the same on every rank
+            skip = ratio_guard_trips(tok["ratio"], args.ratio_guard)
             skipped_batches += int(skip)
             if not skip:
                 optimizer.step()
@@ -627,7 +670,9 @@ if __name__ == "__main__":
             # ---- shared plumbing: weight sync to the engine (only versions a future batch is generated with)
             t1 = time.time()
             if needs_payload(update):  # some batch k of this run (k*U - s == update) is generated by this version
-                outbox.append((update, weights_copy()))
+                payload = weights_copy()
+                if rank == 0:
+                    outbox.append((update, payload))
             while outbox:  # blocks while the engine has not taken the previous payload (counted in trainer_wait)
                 try:
                     weights_q.put(outbox[0], timeout=0.05)
@@ -692,23 +737,26 @@ if __name__ == "__main__":
             if args.eval_every > 0 and (update % args.eval_every == 0 or update == args.total_updates):
                 metrics.update(evaluate(update))
             tracker.log(metrics, update)
-            print(progress_line(update, args.total_updates, time.time() - start_time, metrics,
+            print0(progress_line(update, args.total_updates, time.time() - start_time, metrics,
                                 ["charts/reward_mean", "eval/accuracy", "losses/clipfrac", "async/staleness_mean",
                                  "vineppo/value_mean", "vineppo/mc_time_frac", "charts/train_tokens_per_sec"]), flush=True)
             if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < args.total_updates:
-                save_checkpoint(ckpt_path, snapshot(update))
+                save(update)
             if update == args.debug_interrupt_at:
                 interrupted.set()
-            if interrupted.is_set():
+            if any(all_ranks(interrupted.is_set())):  # Ctrl-C: every rank stops after this update
                 raise KeyboardInterrupt
-        save_checkpoint(ckpt_path, snapshot(update))
-        print(f"done: {update} updates in {time.time() - start_time:.0f}s; checkpoint {ckpt_path}", flush=True)
+        save(update)
+        print0(f"done: {update} updates in {time.time() - start_time:.0f}s; checkpoint {ckpt_path}", flush=True)
+        shutdown()
     except KeyboardInterrupt:
         if producer_state["error"] is None:
-            save_checkpoint(ckpt_path, snapshot(update))
-            print(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
+            save(update)
+            print0(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
+        shutdown(130)
         sys.exit(130)
     finally:
         stop.set()
-        thread.join(timeout=30)
+        if thread is not None:
+            thread.join(timeout=30)
         tracker.close()

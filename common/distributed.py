@@ -7,6 +7,7 @@ with gloo); rank 0 also owns the rollout engine, the rollout queue, logging and 
 """
 
 import os
+import sys
 import types
 from contextlib import contextmanager
 
@@ -100,12 +101,34 @@ def full_state_dicts(model, optimizer) -> tuple[dict, dict]:
 
 
 def load_full_state_dicts(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
-    """Load ``full_state_dicts`` output (read on rank 0; broadcast and re-sharded to every rank)."""
+    """Load ``full_state_dicts`` output (read on rank 0; broadcast and re-sharded to every rank). The dicts are
+    consumed: under torchrun their tensors are replaced by this rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (one process: return at once)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown(exit_code: int = 0) -> None:
+    """Leave the process group at the end of a run (torchrun). Ranks other than 0 then exit at once with
+    ``exit_code``: they hold nothing to flush (rank 0 logs, checkpoints and owns the engine), and skipping the
+    interpreter's teardown avoids gloo's threads aborting it ("terminate called without an active exception",
+    seen on CPUs when rank 0 outlives them). One process: nothing to do."""
+    if not dist.is_initialized():
+        return
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
 
 
 def broadcast(value):

@@ -13,6 +13,7 @@ KV cache of the tokens already processed is kept (not recomputed under the new w
 """
 
 import copy
+import io
 import logging
 import os
 import random
@@ -244,13 +245,25 @@ def refresh_tied_lm_head(worker) -> bool:
     return True
 
 
+def reload_weights(worker, tensors) -> bool:
+    """Runs in a vLLM worker: load a payload's (name, tensor) pairs (checkpoint naming) into the model, then
+    ``refresh_tied_lm_head``. ``tensors`` is the list itself (engine in this process) or its ``torch.save`` bytes
+    (engine in its own process: one message carries the whole payload)."""
+    if isinstance(tensors, bytes):
+        tensors = torch.load(io.BytesIO(tensors), weights_only=True)
+    worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+    return refresh_tied_lm_head(worker)
+
+
 class VLLMEngine:
     """A rollout engine around ``vllm.LLM`` with the HF engine's interface. ``version`` tags every sample.
 
     Weight sync, one batched transfer per sync:
     - ``sync="reload"`` (CPU, or a GPU shared with the trainer): the engine runs in this process
-      (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and one ``collective_rpc("reload_weights")`` hands all the trainer's
+      (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and one ``collective_rpc(reload_weights)`` hands all the trainer's
       tensors (checkpoint naming) to the worker, which loads them into its fused layers.
+    - ``sync="ipc"`` (the same devices, but the engine in its own processes: under torchrun, where an in-process
+      engine would join the trainer's process group and hang): the same call carries the payload serialised.
     - ``sync="nccl"`` (the engine on its own GPU(s), in its own processes): vLLM's NCCL weight-transfer engine,
       one packed broadcast from the trainer (rank 0) to every engine worker per sync.
     Log-probs are those of the distribution sampled from (``logprobs_mode="processed_logprobs"``: after temperature
@@ -261,13 +274,15 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, eos_ids: list[int], dtype=torch.bfloat16, max_batch: int = 64,
                  seed: int = 0, kv_cache_gib: float = 0.5, sync: str = "reload", enforce_eager: bool | None = None,
                  nccl_address: str = "127.0.0.1", nccl_port: int = 29555, gpus: list[str] | None = None):
-        if sync not in ("reload", "nccl"):
-            raise SystemExit(f"unknown vLLM weight sync {sync!r}: choose reload or nccl")
+        if sync not in ("reload", "ipc", "nccl"):
+            raise SystemExit(f"unknown vLLM weight sync {sync!r}: choose reload, ipc or nccl")
         if kv_cache_gib <= 0:
             raise SystemExit(f"--vllm-kv-cache-gib must be > 0, got {kv_cache_gib}")
         if gpus and sync != "nccl":
             raise SystemExit("a vLLM engine on GPUs of its own runs in its own processes: it needs sync='nccl'")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if sync == "reload" else "1"
+        if sync == "ipc":  # collective_rpc may then send our function (reload_weights) to our own child processes
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         # vLLM drops torch to one thread for the whole process unless OMP_NUM_THREADS is set: keep the trainer's
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         try:
@@ -315,8 +330,11 @@ class VLLMEngine:
         """Weight sync: all the trainer's tensors (already in the engine's dtype) in one transfer."""
         tensors = [(name, t) for name, t in named_tensors]
         if self.sync == "reload":
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(tensors), is_checkpoint_format=True))
-            self.llm.collective_rpc(refresh_tied_lm_head)
+            self.llm.collective_rpc(reload_weights, args=(tensors,))
+        elif self.sync == "ipc":  # one message with the whole payload (vLLM's msgpack would not carry the tensor list)
+            blob = io.BytesIO()
+            torch.save([(name, t.detach().cpu()) for name, t in tensors], blob)
+            self.llm.collective_rpc(reload_weights, args=(blob.getvalue(),))
         else:
             self.source.tensors = tensors
             self.transfer.send_weights()
@@ -380,17 +398,20 @@ def engine_gpus(n: int) -> list[str]:
 
 
 def make_engine(kind: str, policy, model_path: str, *, eos_ids: list[int], pad_id: int, dtype=torch.bfloat16,
-                max_batch: int = 64, seed: int = 0, kv_cache_gib: float = 0.5, sync: str = "reload", gpus: int = 0):
+                max_batch: int = 64, seed: int = 0, kv_cache_gib: float = 0.5, sync: str | None = None, gpus: int = 0):
     """The rollout engine of ``--engine``, holding the trainer's current weights as version 0. The HF engine and a
     vLLM engine with ``gpus=0`` share the trainer's device (rank 0's); ``gpus > 0`` starts vLLM on GPUs of its own
-    (``engine_gpus``), tensor-parallel over them, with NCCL weight sync from the trainer."""
+    (``engine_gpus``), tensor-parallel over them, with NCCL weight sync from the trainer. The vLLM weight sync
+    (``VLLMEngine``) follows from that unless ``sync`` is given: nccl on GPUs of its own, ipc under torchrun
+    (several trainer ranks), reload in one process."""
+    in_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if kind == "hf":
         if gpus:
             raise SystemExit("--vllm-gpus needs --engine vllm (the HF engine shares the trainer's device)")
         return HFEngine(policy, eos_ids=eos_ids, pad_id=pad_id, dtype=dtype, max_batch=max_batch)
     if kind == "vllm":
         engine = VLLMEngine(model_path, eos_ids=eos_ids, dtype=dtype, max_batch=max_batch, seed=seed,
-                            kv_cache_gib=kv_cache_gib, sync="nccl" if gpus else sync,
+                            kv_cache_gib=kv_cache_gib, sync=sync or ("nccl" if gpus else "ipc" if in_torchrun else "reload"),
                             gpus=engine_gpus(gpus) if gpus else None)
         engine.load_weights(weight_payload(policy, dtype), 0)
         return engine

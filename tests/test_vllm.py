@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import run_script  # noqa: E402
+from conftest import run_script, run_torchrun  # noqa: E402
 from test_grpo_run import FAST as HF_FAST  # noqa: E402
 
 from common.batching import collate, pad_float, response_logprobs  # noqa: E402
@@ -179,6 +179,22 @@ def test_grpo_with_vllm_staleness_and_resume(tiny_vllm_model_path, tmp_path):
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2, 2]
     assert rows[0]["async/logprob_diff"] < 0.05 and rows[0]["async/logprob_diff_max"] < 0.5, rows[0]
     assert "eval/accuracy" in rows[-1]
+
+
+def test_two_trainer_ranks_with_vllm_give_the_one_process_run(tiny_vllm_model_path, tmp_path):
+    """Under torchrun the engine runs in its own process (an in-process vLLM would join the trainer's process
+    group), synced with the whole payload in one message; the run equals the one-process run (in-process engine)."""
+    from test_distributed import assert_same_run
+
+    flags = ["--model", tiny_vllm_model_path, *FAST, *EXACT, "--total-updates", "4", "--staleness", "1",
+             "--micro-batch-size", "4"]
+    run_script("grpo.py", *flags, "--run-name", "one", cwd=tmp_path)
+    proc = run_torchrun("grpo.py", *flags, "--run-name", "two", cwd=tmp_path)
+    assert "2 trainer rank(s)" in proc.stdout
+    one, two = (read_metrics(tmp_path / "runs" / n / "metrics.jsonl") for n in ("one", "two"))
+    assert_same_run(one, two)
+    diffs = [r["async/logprob_diff_max"] for r in two if "async/logprob_diff_max" in r]
+    assert diffs and max(diffs) < 1e-4, diffs
 
 
 @pytest.mark.parametrize("script,flags", [

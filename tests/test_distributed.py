@@ -1,0 +1,157 @@
+"""Multi-rank training (common/distributed.py, torchrun) on CPUs with gloo: the helpers on one and two ranks, and
+every script run as one process and as 2 trainer ranks, which must give the same run.
+
+Tolerance of the 1-process vs 2-rank comparison: rel 1e-4 / abs 1e-5 on every logged number except timings (fp32
+trainer and engine). Two ranks sum their micro-batches' gradients in another order than one process does, so the
+runs agree to float rounding (observed: <= 8e-6 absolute), not bit for bit; a wrong normalisation, a lost or
+doubled micro-batch, or a stale weight sync changes them by orders of magnitude more.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, run_script, run_torchrun
+from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,
+                                is_sharded, load_full_state_dicts, merge_ranks, shard_model, shutdown)
+from common.engine import engine_gpus
+from common.models import load_model
+from common.tracking import read_metrics
+
+TIMING = ("time/", "tokens_per_sec", "async/queue_size", "time_frac")
+PRECISE = ["--no-bf16", "--engine-dtype", "float32"]
+G = ["--digits", "1", "--max-new-tokens", "6", "--eval-size", "8", "--eval-every", "2", "--total-updates", "6"]
+RUNS = {  # per script: flags whose 2-rank run exercises the algorithm's own path (staleness, clipping, masking ...)
+    "grpo": ["grpo.py", *G, "--prompts-per-batch", "4", "--group-size", "4", "--micro-batch-size", "4",
+             "--staleness", "2", "--learning-rate", "1e-2", "--kl-coef", "0.05", "--temperature", "1.0"],
+    "m2po": ["m2po.py", *G, "--prompts-per-batch", "4", "--group-size", "8", "--micro-batch-size", "8",
+             "--staleness", "2", "--learning-rate", "1e-2", "--tau", "0.001"],
+    "dapo": ["dapo.py", "--digits", "1", "--prompts-per-batch", "2", "--group-size", "4", "--max-new-tokens", "3",
+             "--overlong-buffer", "1", "--eval-size", "8", "--eval-every", "2", "--max-sampling-rounds", "50",
+             "--total-updates", "6", "--staleness", "2", "--updates-per-batch", "2", "--micro-batch-size", "1",
+             "--overlong-filtering", "--kl-coef", "0.05", "--learning-rate", "3e-3", "--temperature", "1.0"],
+    "ppo_stale": ["ppo_stale.py", *G, "--prompts-per-batch", "4", "--group-size", "4", "--staleness", "2",
+                  "--updates-per-batch", "2", "--micro-batch-size", "4", "--learning-rate", "1e-2", "--clip-eps", "0.05",
+                  "--behav-weight-cap", "1.1", "--kl-coef", "0.1", "--temperature", "1.0"],
+    "tba": ["tba.py", *G, "--prompts-per-batch", "8", "--group-size", "4", "--learning-rate", "1e-3",
+            "--beta-start", "1.0", "--beta-end", "0.5", "--staleness", "0", "--micro-batch-size", "8"],
+    "vineppo": ["vineppo.py", *G, "--prompts-per-batch", "4", "--group-size", "4", "--mc-samples", "3", "--staleness", "2",
+                "--updates-per-batch", "2", "--epochs", "2", "--micro-batch-size", "2", "--learning-rate", "1e-2",
+                "--kl-coef", "0.1", "--ratio-guard", "1.03"],
+    "vineppo_critic": ["vineppo.py", *G, "--prompts-per-batch", "4", "--group-size", "4", "--seed", "4",
+                       "--value-estimator", "critic", "--critic-head-learning-rate", "1e-2", "--staleness", "2",
+                       "--updates-per-batch", "2", "--epochs", "2", "--micro-batch-size", "5", "--learning-rate", "1e-2",
+                       "--kl-coef", "0.1", "--ratio-guard", "1.03"],
+}
+
+
+def assert_same_run(one: list[dict], two: list[dict]):
+    assert len(one) == len(two) and len(one) > 1, (len(one), len(two))
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys(), (a["global_step"], a.keys() ^ b.keys())
+        for k, v in a.items():
+            if isinstance(v, (int, float)) and not any(t in k for t in TIMING):
+                assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-5), (a["global_step"], k, v, b[k])
+
+
+def runs_of(cwd, name):
+    return read_metrics(cwd / "runs" / name / "metrics.jsonl")
+
+
+# ---------------------------------------------------------------- the helpers in one process (world of 1)
+def test_one_process_helpers_pass_through(tiny_model_path):
+    assert init_distributed(cuda=False) == (0, 1, torch.device("cpu"))
+    model = load_model(tiny_model_path)
+    assert shard_model(model) is model and not is_sharded(model)
+    with gathered_params(model) as m:
+        assert m is model
+    assert broadcast({"a": 1}) == {"a": 1} and all_ranks(3) == [3]
+    tok, total, items = merge_ranks({"x": [torch.ones(2), torch.zeros(1)]}, 2.5, [1, 2])
+    assert tok["x"].tolist() == [1, 1, 0] and total == 2.5 and items == [1, 2]
+    assert merge_ranks(4) == 4
+    barrier()
+    shutdown()
+
+
+def test_full_state_dicts_round_trip_in_one_process(tiny_model_path):
+    model = load_model(tiny_model_path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    model_state, optimizer_state = full_state_dicts(model, optimizer)
+    assert model_state.keys() == model.state_dict().keys()
+    other = load_model(tiny_model_path)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    load_full_state_dicts(other, other_opt, model_state, optimizer_state)
+    for (n, p), (_, q) in zip(model.named_parameters(), other.named_parameters()):
+        assert torch.equal(p, q), n
+    for a, b in zip(optimizer.state_dict()["state"].values(), other_opt.state_dict()["state"].values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+def test_engine_gpus_are_the_nodes_gpus_after_the_trainers(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    assert engine_gpus(2) == ["6", "7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert engine_gpus(2) == ["5", "7"]
+    with pytest.raises(SystemExit, match="start fewer trainer processes"):
+        engine_gpus(3)
+
+
+# ---------------------------------------------------------------- the helpers on two ranks
+def test_helpers_on_two_ranks(tiny_model_path, tmp_path):
+    """Sharded gradients = one-process gradients of the whole batch; state dicts round-trip (and load into a plain
+    model); the weight payload is gathered on rank 0 and an engine loaded with it matches the sharded trainer;
+    gathered params let ranks generate alone."""
+    proc = run_torchrun(str(ROOT / "tests" / "distributed_checks.py"), tiny_model_path, cwd=tmp_path)
+    assert proc.stdout.count("all distributed checks passed") == 2, proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------- every script: one process vs two ranks
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_ranks_give_the_one_process_run(name, tiny_model_path, tmp_path):
+    script, *flags = RUNS[name]
+    flags = ["--model", tiny_model_path, *PRECISE, *flags]
+    run_script(script, *flags, "--run-name", "one", cwd=tmp_path)
+    proc = run_torchrun(script, *flags, "--run-name", "two", cwd=tmp_path)
+    assert "2 trainer rank(s) on cpu" in proc.stdout and "done: 6 updates" in proc.stdout
+    assert proc.stdout.count("done: 6 updates") == 1  # rank 0 alone prints and logs
+    one, two = runs_of(tmp_path, "one"), runs_of(tmp_path, "two")
+    assert_same_run(one, two)
+    diffs = [r["async/logprob_diff"] for r in two if "async/logprob_diff" in r]
+    assert diffs and max(diffs) < 1e-4, diffs  # the weight sync from 2 ranks reaches the engine
+    assert sorted(os.listdir(tmp_path / "runs")) == ["one", "two"]
+
+
+def test_two_rank_checkpoints_resume_on_one_rank_and_back(tiny_model_path, tmp_path):
+    script, *flags = RUNS["grpo"]
+    flags = ["--model", tiny_model_path, *PRECISE, *flags]
+    run_script(script, *flags, "--run-name", "whole", cwd=tmp_path)
+    proc = run_torchrun(script, *flags, "--run-name", "two_then_one", "--debug-interrupt-at", "3", cwd=tmp_path,
+                        check=False)
+    assert "interrupted at update 3" in proc.stdout and proc.returncode != 0
+    run_script(script, "--resume", str(tmp_path / "runs" / "two_then_one"), cwd=tmp_path)
+    proc = run_script(script, *flags, "--run-name", "one_then_two", "--debug-interrupt-at", "3", cwd=tmp_path,
+                      check=False)
+    assert proc.returncode == 130
+    run_torchrun(script, "--resume", str(tmp_path / "runs" / "one_then_two"), cwd=tmp_path)
+    whole = runs_of(tmp_path, "whole")
+    assert_same_run(whole, runs_of(tmp_path, "two_then_one"))
+    assert_same_run(whole, runs_of(tmp_path, "one_then_two"))
+
+
+def test_micro_batches_that_cannot_be_dealt_to_the_ranks_are_refused(tiny_model_path, tmp_path):
+    proc = run_torchrun("grpo.py", "--model", tiny_model_path, "--prompts-per-batch", "2", "--group-size", "4",
+                        "--micro-batch-size", "3", cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "makes 3 micro-batches of --micro-batch-size 3, which cannot be dealt evenly to 2 trainer ranks" in proc.stderr
+
+
+def test_vllm_gpus_without_gpus_is_refused(tiny_model_path, tmp_path):
+    proc = run_script("grpo.py", "--model", tiny_model_path, "--vllm-gpus", "1", "--total-updates", "1", cwd=tmp_path,
+                      check=False)
+    assert proc.returncode != 0 and "--vllm-gpus needs --engine vllm" in proc.stderr
