@@ -155,3 +155,25 @@ def test_vllm_gpus_without_gpus_is_refused(tiny_model_path, tmp_path):
     proc = run_script("grpo.py", "--model", tiny_model_path, "--vllm-gpus", "1", "--total-updates", "1", cwd=tmp_path,
                       check=False)
     assert proc.returncode != 0 and "--vllm-gpus needs --engine vllm" in proc.stderr
+
+
+@pytest.mark.parametrize("mode,world", [("colocated", 1), ("node", 6), ("nodes", 14)])
+def test_launch_script_flags_parse_and_split_over_its_ranks(mode, world):
+    """reproduce/scale/launch.sh (DRY_RUN: prints its command): every flag exists in the script's Args, and the
+    micro-batches of an update can be dealt to the launch's trainer ranks (6 on one node, 6 + 8 on two)."""
+    import importlib
+    import shlex
+    import subprocess
+
+    import tyro
+
+    env = dict(os.environ, DRY_RUN="1", NODE_RANK="0", MASTER_ADDR="10.0.0.1")
+    out = subprocess.run(["bash", str(ROOT / "reproduce" / "scale" / "launch.sh"), mode], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    argv = shlex.split(out)
+    at = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+    args = tyro.cli(importlib.import_module(os.path.basename(argv[at])[:-3]).Args, args=argv[at + 1:])
+    minibatch = args.prompts_per_batch * args.group_size // args.updates_per_batch
+    assert minibatch * args.updates_per_batch == args.prompts_per_batch * args.group_size
+    assert -(-minibatch // args.micro_batch_size) % world == 0
+    assert args.engine == "vllm" and args.staleness == 256 and (args.vllm_gpus > 0) == (mode != "colocated")
