@@ -267,7 +267,7 @@ if __name__ == "__main__":
     outbox: list = []  # weight payloads not yet handed to the engine
     start_update = 0
     if ckpt is not None:  # full state dicts: the checkpoint resumes on any number of ranks
-        load_full_state_dicts(policy, optimizer, ckpt["model"] if rank == 0 else {}, ckpt["optimizer"] if rank == 0 else {})
+        load_full_state_dicts(policy, optimizer, ckpt["model"], ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
         if rank == 0:
             engine.load_weights(ckpt["engine_weights"].items(), ckpt["engine_version"])

@@ -303,7 +303,7 @@ if __name__ == "__main__":
                       "gen_total_time": 0.0, "producer_wait": 0.0, "weight_sync": 0.0, "duplicates": 0, "evicted": 0}
     start_update, pending_weights = 0, []
     if ckpt is not None:  # full state dicts: the checkpoint resumes on any number of ranks
-        load_full_state_dicts(policy, optimizer, ckpt["model"] if rank == 0 else {}, ckpt["optimizer"] if rank == 0 else {})
+        load_full_state_dicts(policy, optimizer, ckpt["model"], ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
         if rank == 0:  # rank 0 owns the engine, the buffer and the slot draws
             sampler.bit_generator.state = ckpt["sampler"]

@@ -3,6 +3,7 @@
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from common.distributed import is_sharded
 from common.engine import left_pad, position_ids_from_mask
 
 
@@ -82,7 +83,7 @@ def response_logprobs(model, batch: dict, temperature: float = 1.0, chunk_tokens
     Returns two [B, R] float32 tensors, zero where ``response_mask`` is False. A sharded model
     (``common.distributed.shard_model``) runs all of it as one FSDP forward (``fsdp_call``).
     """
-    if hasattr(model, "fsdp_call"):
+    if is_sharded(model):
         return model.fsdp_call(_response_logprobs, batch, temperature, chunk_tokens, with_grad, share_prompts)
     return _response_logprobs(model, batch, temperature, chunk_tokens, with_grad, share_prompts)
 

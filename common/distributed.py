@@ -101,11 +101,14 @@ def full_state_dicts(model, optimizer) -> tuple[dict, dict]:
 
 
 def load_full_state_dicts(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
-    """Load ``full_state_dicts`` output (read on rank 0; broadcast and re-sharded to every rank). The dicts are
-    consumed: under torchrun their tensors are replaced by this rank's shards."""
+    """Load ``full_state_dicts`` output: rank 0's dicts are broadcast and re-sharded to every rank (the other ranks'
+    are ignored; every rank may pass what it read). The dicts are consumed: under torchrun their tensors are
+    replaced by this rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+    if dist.is_initialized() and dist.get_rank() != 0:
+        model_state, optimizer_state = {}, {}
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
@@ -143,7 +146,7 @@ def broadcast(value):
 def all_ranks(value) -> list:
     """``value`` from every rank, in rank order (tensors arrive on CPU); every rank must call it. One process: [value]."""
     if not dist.is_initialized():
-        return [value]
+        return [_to_cpu(value)]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, _to_cpu(value))
     return out
@@ -159,7 +162,7 @@ def merge_ranks(*values):
     for i, v in enumerate(values):
         parts = [g[i] for g in gathered]
         if isinstance(v, dict):
-            out.append({k: torch.cat([t.cpu() for p in parts for t in p[k]]) for k in v})
+            out.append({k: torch.cat([t for p in parts for t in p[k]]) for k in v})
         elif isinstance(v, list):
             out.append([x for p in parts for x in p])
         else:

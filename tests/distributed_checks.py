@@ -64,7 +64,7 @@ if __name__ == "__main__":
         load_model(model_dir).load_state_dict(model_state)
     fresh = shard_model(load_model(model_dir))
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    load_full_state_dicts(fresh, fresh_opt, model_state if rank == 0 else {}, optimizer_state if rank == 0 else {})
+    load_full_state_dicts(fresh, fresh_opt, model_state, optimizer_state)  # rank 1 passes its empty dicts
     for (n, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
         assert close(p.full_tensor(), q.full_tensor(), 0.0), f"{n} not restored"
     assert fresh_opt.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
