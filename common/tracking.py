@@ -33,7 +33,8 @@ def progress_line(step: int, total: int, elapsed: float, metrics: dict, keys: li
 
 
 class Tracker:
-    """Writes each ``log`` call as one JSON line (with ``global_step``); mirrors to wandb when enabled."""
+    """Writes each ``log`` call as one JSON line (with ``global_step`` and ``time/elapsed``, wall-clock seconds since
+    the run started, carried on across a resume); mirrors to wandb when enabled."""
 
     def __init__(self, run_dir: str | Path, config: dict, track: bool = False, project: str = "asyncrl",
                  run_name: str | None = None, resume: bool = False, enabled: bool = True):
@@ -41,7 +42,10 @@ class Tracker:
         if not enabled:  # a trainer rank other than 0: logging is rank 0's
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.run_dir / "metrics.jsonl", "a" if resume else "w")
+        path = self.run_dir / "metrics.jsonl"
+        previous = read_metrics(path) if resume and path.exists() else []
+        self.offset = max((r.get("time/elapsed", 0.0) for r in previous), default=0.0)  # a resumed run's clock goes on
+        self.file = open(path, "a" if resume else "w")
         with open(self.run_dir / "config.json", "w") as f:
             json.dump(config, f, indent=2, default=str)
         self.wandb = None
@@ -55,7 +59,8 @@ class Tracker:
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return
-        row = {"global_step": step, **{k: (float(v) if hasattr(v, "item") else v) for k, v in metrics.items()}}
+        row = {"global_step": step, **{k: (float(v) if hasattr(v, "item") else v) for k, v in metrics.items()},
+               "time/elapsed": self.offset + time.time() - self.start}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb is not None:

@@ -375,13 +375,16 @@ def test_tracker_writes_jsonl_and_config(tmp_path):
     tr.log({"charts/reward_mean": 0.75}, step=2)
     tr.close()
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    elapsed = [r.pop("time/elapsed") for r in rows]  # wall-clock since the run started, on every row
+    assert 0 <= elapsed[0] <= elapsed[1] < 60
     assert rows == [{"global_step": 1, "charts/reward_mean": 0.5, "async/policy_version": 1},
                     {"global_step": 2, "charts/reward_mean": 0.75}]
     assert json.loads((tmp_path / "run" / "config.json").read_text()) == {"lr": 1e-6}
-    tr = Tracker(tmp_path / "run", {}, resume=True)  # resume appends
+    tr = Tracker(tmp_path / "run", {}, resume=True)  # resume appends, and its clock carries on from the last row
     tr.log({"a": 1}, step=3)
     tr.close()
-    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 3
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 3 and rows[2]["time/elapsed"] >= elapsed[1]
 
 
 def test_tracker_wandb_offline(tmp_path, monkeypatch):
