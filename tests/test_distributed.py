@@ -157,23 +157,83 @@ def test_vllm_gpus_without_gpus_is_refused(tiny_model_path, tmp_path):
     assert proc.returncode != 0 and "--vllm-gpus needs --engine vllm" in proc.stderr
 
 
-@pytest.mark.parametrize("mode,world", [("colocated", 1), ("node", 6), ("nodes", 14)])
-def test_launch_script_flags_parse_and_split_over_its_ranks(mode, world):
-    """reproduce/scale/launch.sh (DRY_RUN: prints its command): every flag exists in the script's Args, and the
-    micro-batches of an update can be dealt to the launch's trainer ranks (6 on one node, 6 + 8 on two)."""
-    import importlib
+SCALE = ROOT / "reproduce" / "scale"
+PAPER_SETTINGS = {  # per paper (reproduce/scale/<paper>.sh): its script and the settings that make it that paper's run
+    "m2po": ("m2po", dict(model="Qwen/Qwen2.5-Math-7B", task="deepscaler", staleness=256, updates_per_batch=4,
+                          group_size=8, tau=0.04, learning_rate=1e-6, temperature=1.0, kl_coef=0.0)),
+    "grpo": ("grpo", dict(model="deepseek-ai/deepseek-math-7b-instruct", group_size=64, max_new_tokens=1024,
+                          kl_coef=0.04, loss_agg="seq-mean-token-mean", updates_per_batch=1, staleness=0,
+                          learning_rate=1e-6)),
+    "dapo": ("dapo", dict(model="Qwen/Qwen2.5-32B", task="dapo17k", group_size=16, updates_per_batch=16,
+                          max_new_tokens=20480, overlong_buffer=4096, clip_eps_low=0.2, clip_eps_high=0.28,
+                          clip_higher=True, dynamic_sampling=True, oversample=3, token_level_loss=True,
+                          overlong_shaping=True, overlong_filtering=False, kl_coef=0.0, learning_rate=1e-6)),
+    "areal": ("ppo_stale", dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", task="deepscaler", max_staleness=4,
+                                staleness=0, decoupled=True, behav_weight_cap=5.0, clip_eps=0.2, adv_norm="batch",
+                                group_size=16, updates_per_batch=4, learning_rate=2e-5, max_new_tokens=27648)),
+    "tba": ("tba", dict(model="realtreetune/rho-1b-sft-GSM8K", task="gsm8k", prompt_template="tba", group_size=20,
+                        staleness=2, recency_prob=0.95, beta_start=0.014, beta_end=0.004, learning_rate=1e-5,
+                        temperature=0.7, max_new_tokens=512, rounds_ahead=-1)),
+    "vineppo": ("vineppo", dict(model="realtreetune/deepseekmath-7b-sft-GSM8K", task="gsm8k",
+                                prompt_template="vineppo", group_size=8, mc_samples=9, max_steps=25, epochs=2,
+                                updates_per_batch=8, kl_coef=1e-4, clip_eps=0.2, temperature=0.6,
+                                learning_rate=1e-6, value_estimator="mc")),
+}
+SMALLER = {"m2po": "Qwen/Qwen2.5-Math-1.5B", "grpo": "Qwen/Qwen2.5-1.5B-Instruct", "dapo": "Qwen/Qwen2.5-1.5B",
+           "areal": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "vineppo": "realtreetune/rho-1b-sft-GSM8K"}
+
+
+def dry_run(*argv, node_rank="0") -> list[str]:
+    """The command a reproduce/scale launch prints with DRY_RUN=1, split into arguments."""
     import shlex
     import subprocess
 
+    env = dict(os.environ, DRY_RUN="1", NODE_RANK=node_rank, MASTER_ADDR="10.0.0.1")
+    return shlex.split(subprocess.run(["bash", *map(str, argv)], env=env, check=True, capture_output=True,
+                                      text=True).stdout)
+
+
+@pytest.mark.parametrize("paper", list(PAPER_SETTINGS))
+@pytest.mark.parametrize("mode,world", [("colocated", 1), ("node", 6), ("nodes", 14)])
+def test_launch_script_flags_parse_and_split_over_its_ranks(paper, mode, world):
+    """reproduce/scale/launch.sh <paper> <mode> (DRY_RUN: prints its command): every flag exists in the paper's
+    script's Args, the micro-batches of an update can be dealt to the launch's trainer ranks (6 on one node, 6 + 8
+    on two; the scripts refuse to start otherwise), the engine is vLLM, and the paper's key settings are set."""
+    import importlib
+
     import tyro
 
-    env = dict(os.environ, DRY_RUN="1", NODE_RANK="0", MASTER_ADDR="10.0.0.1")
-    out = subprocess.run(["bash", str(ROOT / "reproduce" / "scale" / "launch.sh"), mode], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    argv = shlex.split(out)
+    from common.tasks import BENCHMARKS, TEMPLATES, TRAIN_SETS
+
+    argv = dry_run(SCALE / "launch.sh", paper, mode)
+    assert argv == dry_run(SCALE / f"{paper}.sh", mode)  # the paper's file runs the same launch on its own
     at = next(i for i, a in enumerate(argv) if a.endswith(".py"))
-    args = tyro.cli(importlib.import_module(os.path.basename(argv[at])[:-3]).Args, args=argv[at + 1:])
-    minibatch = args.prompts_per_batch * args.group_size // args.updates_per_batch
-    assert minibatch * args.updates_per_batch == args.prompts_per_batch * args.group_size
-    assert -(-minibatch // args.micro_batch_size) % world == 0
-    assert args.engine == "vllm" and args.staleness == 256 and (args.vllm_gpus > 0) == (mode != "colocated")
+    script, expected = PAPER_SETTINGS[paper]
+    assert argv[at] == f"algorithms/{script}.py"
+    args = tyro.cli(importlib.import_module(script).Args, args=argv[at + 1:])
+    if script == "tba":  # whole prompt slots per micro-batch (tba.py's check)
+        assert args.micro_batch_size >= args.group_size and args.buffer_capacity >= args.group_size
+        n_micro = -(-args.prompts_per_batch // (args.micro_batch_size // args.group_size))
+    else:  # grpo.py's check, the same in every other script
+        batch = args.prompts_per_batch * args.group_size
+        assert batch % args.updates_per_batch == 0
+        n_micro = -(-(batch // args.updates_per_batch) // args.micro_batch_size)
+    assert n_micro % world == 0, (paper, mode, n_micro, world)
+    assert args.engine == "vllm" and (args.vllm_gpus > 0) == (mode != "colocated")
+    assert args.task in TRAIN_SETS and args.eval_task in BENCHMARKS and args.prompt_template in TEMPLATES
+    if TEMPLATES[args.prompt_template][2] in ("last_number", "hash"):  # number-only verifiers: GSM8K's answers only
+        assert args.task == args.eval_task == "gsm8k"
+    if mode == "colocated" and paper in SMALLER:  # the paper's model does not fit one GPU with its trainer state
+        expected = dict(expected, model=SMALLER[paper])
+    for name, value in expected.items():
+        assert getattr(args, name) == value, (paper, mode, name, getattr(args, name), value)
+    if paper == "dapo":
+        assert 0 < args.overlong_buffer < args.max_new_tokens
+    if mode == "nodes":  # node 1 runs the 8 other trainer ranks
+        one = dry_run(SCALE / "launch.sh", paper, mode, node_rank="1")
+        assert one[one.index("--nproc-per-node") + 1] == "8" and argv[argv.index("--nproc-per-node") + 1] == "6"
+
+
+def test_launch_script_without_a_paper_runs_m2po():
+    """The original usage, reproduce/scale/launch.sh <mode>, still launches M2PO's settings."""
+    assert dry_run(SCALE / "launch.sh", "node") == dry_run(SCALE / "launch.sh", "m2po", "node")
