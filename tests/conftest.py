@@ -81,6 +81,22 @@ def run_script(script: str, *flags: str, cwd, timeout: int = 240, check: bool = 
     return proc
 
 
+TOY_SCRIPT = "../reproduce/toy/make_toy_policy.py"  # run_script resolves it against algorithms/
+TOY_TINY = ["--steps", "3", "--batch-size", "8", "--hidden-size", "64", "--num-layers", "1", "--num-heads", "2",
+            "--num-kv-heads", "1", "--intermediate-size", "64", "--eval-size", "8", "--eval-max-new-tokens", "6"]
+
+
+@pytest.fixture(scope="session")
+def toy_path(tmp_path_factory):
+    """A toy policy built by reproduce/toy/make_toy_policy.py with tiny settings (a few steps: the tests check the
+    plumbing, not accuracy)."""
+    cwd = tmp_path_factory.mktemp("toy-build")
+    out = cwd / "toy"
+    proc = run_script(TOY_SCRIPT, "--out", str(out), "--digits", "1", *TOY_TINY, cwd=cwd)
+    assert "greedy eval accuracy" in proc.stdout
+    return out
+
+
 def run_torchrun(script: str, *flags: str, cwd, nproc: int = 2, timeout: int = 300, check: bool = True):
     """Run algorithms/<script> (or any path) under ``torchrun --standalone --nproc-per-node nproc`` from ``cwd``:
     ``nproc`` trainer ranks on CPUs (gloo), one thread each."""

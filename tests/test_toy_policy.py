@@ -4,15 +4,11 @@ import importlib.util
 import json
 
 import pytest
-from conftest import ROOT, run_script
+from conftest import ROOT, TOY_SCRIPT as SCRIPT, TOY_TINY as TINY, run_script
 
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
 from common.tracking import read_metrics
-
-SCRIPT = "../reproduce/toy/make_toy_policy.py"  # run_script resolves it against algorithms/
-TINY = ["--steps", "3", "--batch-size", "8", "--hidden-size", "64", "--num-layers", "1", "--num-heads", "2",
-        "--num-kv-heads", "1", "--intermediate-size", "64", "--eval-size", "8", "--eval-max-new-tokens", "6"]
 
 
 def load_toy():
@@ -20,16 +16,6 @@ def load_toy():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def toy_path(tmp_path_factory):
-    """A toy policy built by the script with tiny settings (a few steps: the test checks the plumbing, not accuracy)."""
-    cwd = tmp_path_factory.mktemp("toy-build")
-    out = cwd / "toy"
-    proc = run_script(SCRIPT, "--out", str(out), "--digits", "1", *TINY, cwd=cwd)
-    assert "greedy eval accuracy" in proc.stdout
-    return out
 
 
 def test_tokenizer_round_trips_prompts_answers_and_chat(tmp_path):

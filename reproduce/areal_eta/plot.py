@@ -1,0 +1,63 @@
+"""Draw areal_eta.png: (a) final accuracy vs eta for naive PPO and the decoupled loss, (b) throughput vs eta; print
+the numbers.
+
+    python reproduce/areal_eta/plot.py [--csv areal_eta.csv] [--png areal_eta.png]
+"""
+
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sweep import figure, final_values, markdown_table, mean_sd, plot_args, pm, read_csv, save
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SAMPLES_PER_UPDATE = 32  # 16 prompts x 8 samples per batch, 4 updates per batch
+
+
+def throughput(rows: list[dict]) -> dict:
+    """{eta: [samples trained per second, per seed]} between each run's first and last logged update."""
+    per = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r["part"] == "throughput" and "time/elapsed" in r and r["global_step"] > 0:
+            per[int(r["eta"])][r["seed"]].append((r["global_step"], r["time/elapsed"]))
+    out = {}
+    for eta, seeds in per.items():
+        out[eta] = []
+        for pts in seeds.values():
+            (s0, t0), (s1, t1) = min(pts), max(pts)
+            out[eta].append((s1 - s0) * SAMPLES_PER_UPDATE / (t1 - t0))
+    return out
+
+
+if __name__ == "__main__":
+    args = plot_args(os.path.join(HERE, "areal_eta.csv"), os.path.join(HERE, "areal_eta.png"))
+    rows = read_csv(args.csv)
+    acc_rows = [dict(r, key=(r["loss"], int(r["eta"]))) for r in rows if r["part"] == "accuracy"]
+    final = final_values(acc_rows, "key", "eval/accuracy")
+    etas = sorted({e for _, e in final})
+    fig, (acc, thr) = figure(2)
+    for loss, label in (("naive", "naive PPO (clip on pi_theta / pi_behav)"), ("decoupled", "decoupled PPO")):
+        stats = [mean_sd(final[(loss, e)]) for e in etas]
+        acc.errorbar(range(len(etas)), [m * 100 for m, _ in stats], yerr=[sd * 100 for _, sd in stats], capsize=3,
+                     marker="o", label=f"{label} (n={len(final[(loss, etas[0])])})")
+    acc.set_xticks(range(len(etas)), [str(e) for e in etas])
+    acc.set(title="(a) final greedy accuracy vs staleness", xlabel="eta (policy versions every sample lags)",
+            ylabel="accuracy on 500 held-out problems (%)")
+    speed = throughput(rows)
+    t_etas = sorted(speed)
+    stats = [mean_sd(speed[e]) for e in t_etas]
+    thr.errorbar(range(len(t_etas)), [m for m, _ in stats], yerr=[sd for _, sd in stats], capsize=3, marker="o",
+                 label="bounded mode --max-staleness eta")
+    thr.set_xticks(range(len(t_etas)), [str(e) for e in t_etas])
+    thr.set(title="(b) training throughput", xlabel="eta (bound, rollout batches ahead)",
+            ylabel="samples trained per second")
+    for ax in (acc, thr):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save(fig, args.png)
+    table = [[e, pm(final[("naive", e)]), pm(final[("decoupled", e)]),
+              pm(speed[e], scale=1.0) if e in speed else "-"] for e in etas]
+    print(markdown_table(["eta", "naive PPO accuracy (%)", "decoupled PPO accuracy (%)", "throughput (samples/s)"],
+                         table))

@@ -1,0 +1,49 @@
+"""All six algorithms side by side at staleness s in {0, 16, 64, 256}: same toy task, seeds, batch and update budget.
+
+    python reproduce/side_by_side/run.py            # 6 algorithms x 4 staleness x 3 seeds = 72 runs of 320 updates
+    python reproduce/side_by_side/plot.py           # -> side_by_side.png and side_by_side.md (the table)
+
+Every run: the toy policy (reproduce/toy), 2-digit addition, lr 1e-4, 32 samples per optimizer update, 320 updates,
+greedy eval on 500 held-out problems every 40 updates. The PPO-family scripts (grpo, dapo, ppo_stale, m2po,
+vineppo) generate 16 prompts x 8 samples per rollout batch and take 4 updates from it (M2PO's recipe), with the
+exact lag --staleness s. tba.py samples 4 prompts x 8 per update from its replay buffer and uses s as its sync
+period k (weights reach the searcher every s updates), its own notion of staleness (docs/tba.md).
+"""
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tyro
+
+from sweep import Job, SweepArgs, run_sweep, toy_job, toy_policy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "tba", "vineppo"]
+KEYS = ["eval/accuracy", "charts/reward_mean", "charts/response_length_mean", "losses/clipfrac", "losses/entropy",
+        "async/staleness_mean"]
+
+
+@dataclass
+class Args(SweepArgs):
+    algos: list[str] = field(default_factory=lambda: list(ALGOS))
+    """algorithm scripts to run"""
+    staleness: list[int] = field(default_factory=lambda: [0, 16, 64, 256])
+    """staleness values s (exact lag in updates; tba: sync period)"""
+    out: str = os.path.join(HERE, "side_by_side.csv")
+    """the CSV of every run's metrics (the plot reads it)"""
+
+
+def jobs(args: Args, model: str) -> list[Job]:
+    return [toy_job(model, args, algo, s, seed, {"algo": algo, "staleness": s})
+            for algo in args.algos for s in args.staleness for seed in args.seeds]
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    unknown = sorted(set(args.algos) - set(ALGOS))
+    if unknown:
+        raise SystemExit(f"unknown --algos {unknown}; choose from {ALGOS}")
+    run_sweep(jobs(args, args.model or toy_policy()), args, KEYS, args.out)

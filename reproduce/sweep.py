@@ -1,0 +1,309 @@
+"""Plumbing shared by the reproduce/<figure>/run.py and plot.py scripts.
+
+The run scripts start the algorithm scripts exactly as a user would (``python algorithms/<algo>.py ...`` in a
+subprocess, several at a time, one thread each) and gather what they log (runs/<name>/metrics.jsonl) into one CSV;
+the plot scripts read that CSV back and draw mean curves with the spread over seeds. Nothing here touches the
+algorithms: every number in a figure comes from the scripts' own metrics.
+"""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.models import cache_root  # noqa: E402
+from common.tracking import format_duration, read_metrics  # noqa: E402
+
+
+@dataclass
+class SweepArgs:
+    """Settings every figure's run script shares (each adds its own)."""
+
+    model: str = ""
+    """policy every run starts from (default: the toy policy, built on first use)"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """training seeds (the policy is the same for all)"""
+    updates: int = 320
+    """optimizer updates per run"""
+    eval_every: int = 40
+    """updates between greedy evaluations"""
+    eval_size: int = 500
+    """held-out problems per evaluation"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate of every run"""
+    parallel: int = 2
+    """runs at a time (one thread each)"""
+    work_dir: str = "runs/reproduce"
+    """where the runs write (runs/<name>/metrics.jsonl, <name>.log); finished runs with the same flags are reused,
+    also across figures"""
+
+
+def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, tba: bool = False) -> list[str]:
+    """The flags every figure's runs share: the toy policy, seed, budget, lr, evaluation, staleness and batch shape
+    (16 prompts x 8 samples per rollout batch, 4 updates from each = M2PO's recipe; tba.py: 4 prompts x 8 per
+    update from its replay buffer, so both take 32 samples per optimizer update)."""
+    flags = ["--model", model, "--seed", str(seed), "--total-updates", str(args.updates), "--learning-rate",
+             str(args.learning_rate), "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size),
+             "--staleness", str(staleness), "--group-size", "8"]
+    return flags + (["--prompts-per-batch", "4"] if tba else ["--prompts-per-batch", "16", "--updates-per-batch", "4"])
+
+
+def toy_job(model: str, args: SweepArgs, algo: str, staleness: int, seed: int, labels: dict, extra: tuple = (),
+            tag: str = "") -> "Job":
+    """A run of ``algo`` with toy_flags plus ``extra`` flags, named <algo>[_<tag>]_s<staleness>_seed<seed> (the tag
+    names the extra flags, so figures that share a configuration share the run)."""
+    name = f"{algo}{'_' + tag if tag else ''}_s{staleness}_seed{seed}"
+    return Job(name, algo, toy_flags(model, args, seed, staleness, tba=algo == "tba") + list(extra),
+               {**labels, "seed": seed})
+
+
+def run_sweep(jobs: list["Job"], args: SweepArgs, keys: list[str], out: str | Path, bin_size: int = 8) -> None:
+    """Run the jobs (run_jobs), then write every run's metrics to the CSV ``out`` (collect)."""
+    seconds = run_jobs(jobs, args.work_dir, args.parallel)
+    write_csv(collect(jobs, args.work_dir, keys, bin_size), out)
+    print(f"wrote {out}: {len(jobs)} runs, {sum(seconds.values()) / 60:.1f} run-minutes "
+          f"(about {sum(seconds.values()) / 60 / args.parallel:.0f} minutes of wall-clock at --parallel "
+          f"{args.parallel})")
+
+
+def toy_policy(digits: int = 2) -> str:
+    """Folder of the toy policy (reproduce/toy/make_toy_policy.py, default settings), built on first use (~2 min)."""
+    path = cache_root() / ("toy-arith" if digits == 2 else f"toy-arith-{digits}digit")
+    if not (path / "toy_policy.json").exists():
+        print(f"[sweep] building the toy policy in {path} (once, about 2 minutes)", flush=True)
+        subprocess.run([sys.executable, str(ROOT / "reproduce" / "toy" / "make_toy_policy.py"), "--digits",
+                        str(digits), "--out", str(path)], check=True)
+    return str(path)
+
+
+@dataclass
+class Job:
+    """One run of one algorithm script: ``python algorithms/<script>.py <args> --run-name <name>``."""
+
+    name: str
+    """run folder name, unique within a sweep"""
+    script: str
+    """algorithm script without .py: grpo, dapo, ppo_stale, m2po, tba, vineppo"""
+    args: list[str]
+    """its command-line flags"""
+    labels: dict = field(default_factory=dict)
+    """columns every CSV row of this run carries (config name, seed, ...)"""
+
+    def flags(self) -> str:
+        """The flags as one line (recorded in runs/<name>/command.txt: a finished run is reused only by a job
+        with the same flags)."""
+        return " ".join(self.args)
+
+    def command(self) -> list[str]:
+        return [sys.executable, str(ROOT / "algorithms" / f"{self.script}.py"), *self.args, "--run-name", self.name]
+
+
+def run_jobs(jobs: list[Job], work_dir: str | Path, parallel: int = 2, threads: int = 1) -> dict[str, float]:
+    """Run the jobs in ``work_dir`` (each writes work_dir/runs/<name>/), ``parallel`` at a time with
+    OMP_NUM_THREADS=``threads``; returns each job's wall-clock seconds. A job that finished in an earlier call (its
+    runs/<name>/done marker) with the same flags is skipped, so re-running a sweep resumes it and figures that
+    share a configuration share its runs; the same name with other flags is an error. A failing job stops the sweep
+    with the tail of its log."""
+    names = [j.name for j in jobs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"job names must be unique, got duplicates in {names}")
+    if parallel < 1 or threads < 1:
+        raise ValueError(f"parallel ({parallel}) and threads ({threads}) must be >= 1")
+    work_dir = Path(work_dir)
+    (work_dir / "runs").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    seconds, todo, running = {}, [], []
+    for j in jobs:
+        run_dir = work_dir / "runs" / j.name
+        if (run_dir / "done").exists():
+            recorded = (run_dir / "command.txt").read_text() if (run_dir / "command.txt").exists() else None
+            if recorded != j.flags():
+                raise ValueError(f"{run_dir} finished with other flags ({recorded!r}) than this sweep's "
+                                 f"({j.flags()!r}): delete that folder or pass another --work-dir")
+            seconds[j.name] = float((run_dir / "done").read_text())
+        else:
+            todo.append(j)
+    t_start, total = time.time(), len(todo)
+    print(f"[sweep] {len(jobs)} runs in {work_dir} ({len(jobs) - total} already done), {parallel} at a time",
+          flush=True)
+    while todo or running:
+        while todo and len(running) < parallel:
+            j = todo.pop(0)
+            (work_dir / "runs" / j.name).mkdir(exist_ok=True)
+            (work_dir / "runs" / j.name / "command.txt").write_text(j.flags())
+            log = open(work_dir / f"{j.name}.log", "w")
+            proc = subprocess.Popen(j.command(), cwd=work_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+            running.append((j, proc, log, time.time()))
+        time.sleep(0.2)
+        for item in list(running):
+            j, proc, log, t0 = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            if proc.returncode != 0:
+                for _, other, _, _ in running:
+                    other.kill()
+                tail = (work_dir / f"{j.name}.log").read_text()[-3000:]
+                raise RuntimeError(f"run {j.name} failed (exit {proc.returncode}): {' '.join(j.command())}\n{tail}")
+            seconds[j.name] = time.time() - t0
+            (work_dir / "runs" / j.name / "done").write_text(f"{seconds[j.name]:.1f}")
+            finished = total - len(todo) - len(running)
+            print(f"[sweep] {finished}/{total} {j.name} {seconds[j.name]:.0f}s "
+                  f"(sweep {format_duration(time.time() - t_start)})", flush=True)
+    return seconds
+
+
+def collect(jobs: list[Job], work_dir: str | Path, keys: list[str], bin_size: int = 1) -> list[dict]:
+    """One CSV row per logged step of every job: its labels, ``global_step``, and the ``keys`` it logged there.
+    Training metrics are averaged over bins of ``bin_size`` updates (the row carries the bin's last update and the
+    ``time/elapsed`` of that update); steps with an evaluation get their own row with the eval keys."""
+    rows = []
+    for j in jobs:
+        metrics = read_metrics(Path(work_dir) / "runs" / j.name / "metrics.jsonl")
+        bins: dict[int, list[dict]] = defaultdict(list)
+        for m in metrics:
+            step = m["global_step"]
+            if any(k.startswith("eval/") for k in m):
+                rows.append({**j.labels, "global_step": step, "time/elapsed": m.get("time/elapsed"),
+                             **{k: m[k] for k in keys if k.startswith("eval/") and k in m}})
+            train = {k: m[k] for k in keys if not k.startswith("eval/") and k in m}
+            if train and step > 0:
+                bins[math.ceil(step / bin_size) * bin_size].append({**train, "_step": step,
+                                                                     "_elapsed": m.get("time/elapsed")})
+        for end, items in sorted(bins.items()):
+            row = {**j.labels, "global_step": items[-1]["_step"], "time/elapsed": items[-1]["_elapsed"]}
+            for k in keys:
+                vals = [it[k] for it in items if k in it and it[k] is not None]
+                if vals:
+                    row[k] = sum(vals) / len(vals)
+            rows.append(row)
+    return rows
+
+
+def write_csv(rows: list[dict], path: str | Path) -> None:
+    """Write rows (dicts, possibly with different keys) as one CSV; columns in first-seen order."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    """Read a CSV written by write_csv; numbers come back as floats, empty cells are dropped."""
+    out = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            row = {}
+            for k, v in r.items():
+                if v == "":
+                    continue
+                try:
+                    row[k] = float(v)
+                except ValueError:
+                    row[k] = v
+            out.append(row)
+    return out
+
+
+def curves(rows: list[dict], group: str, y: str, x: str = "global_step") -> dict:
+    """{group value: (xs, mean, min, max, n_seeds)} of ``y`` over the rows that have ``y``, the statistics taken
+    across seeds at each ``global_step``; xs is the mean of ``x`` over the seeds there (x = time/elapsed gives
+    accuracy against wall-clock). Steps that not every seed logged are left out."""
+    by: dict = defaultdict(lambda: defaultdict(list))
+    seeds: dict = defaultdict(set)
+    for r in rows:
+        if y in r and x in r:
+            by[r[group]][r["global_step"]].append((r[x], r[y]))
+            seeds[r[group]].add(r.get("seed"))
+    out = {}
+    for g, points in by.items():
+        n = len(seeds[g])
+        steps = sorted(k for k, v in points.items() if len(v) == n)
+        ys = [[p[1] for p in points[k]] for k in steps]
+        out[g] = ([sum(p[0] for p in points[k]) / n for k in steps], [sum(v) / n for v in ys], [min(v) for v in ys],
+                  [max(v) for v in ys], n)
+    return out
+
+
+def final_values(rows: list[dict], group: str, y: str, last: int = 1) -> dict:
+    """{group value: [per-seed value]}: each seed's mean of ``y`` over its ``last`` logged values (by global_step)."""
+    per: dict = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if y in r:
+            per[r[group]][r.get("seed")].append((r["global_step"], r[y]))
+    return {g: [sum(v for _, v in sorted(pts)[-last:]) / len(sorted(pts)[-last:]) for pts in seeds.values()]
+            for g, seeds in per.items()}
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return mean, sd
+
+
+def plot_curves(ax, rows: list[dict], group: str, y: str, x: str = "global_step", order: list | None = None,
+                labels: dict | None = None, scale: float = 1.0) -> None:
+    """Mean of ``y`` over seeds per group as a line, the min-max range over seeds as a band."""
+    data = curves(rows, group, y, x)
+    for g in order or sorted(data):
+        if g not in data:
+            continue
+        xs, mean, lo, hi, n = data[g]
+        name = (labels or {}).get(g, g)
+        line, = ax.plot(xs, [v * scale for v in mean], label=f"{name} (n={n})")
+        if n > 1:
+            ax.fill_between(xs, [v * scale for v in lo], [v * scale for v in hi], color=line.get_color(), alpha=0.2,
+                            linewidth=0)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub markdown table (the plot scripts print theirs; the READMEs carry them)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def pm(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
+    """'mean ± sd (n)' of values times ``scale`` (percent by default)."""
+    mean, sd = mean_sd(values)
+    return f"{mean * scale:.{digits}f} ± {sd * scale:.{digits}f}"
+
+
+def plot_args(default_csv: str, default_png: str):
+    """Parse the plot scripts' two flags: --csv (the run script's output) and --png (where the figure goes)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="draw the figure from the CSV its run.py wrote")
+    parser.add_argument("--csv", default=default_csv, help="results CSV (default: the committed one)")
+    parser.add_argument("--png", default=default_png, help="figure to write (default: the committed one)")
+    return parser.parse_args()
+
+
+def figure(n_panels: int, width: float = 4.6, height: float = 3.6):
+    """A row of ``n_panels`` matplotlib axes (headless backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, n_panels, figsize=(width * n_panels, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def save(fig, png: str | Path) -> None:
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")

@@ -1,0 +1,44 @@
+"""Draw tba_async.png: (a) accuracy vs wall-clock for TBA and synchronous GRPO, (b) accuracy vs update for each
+recency probability m; print the numbers.
+
+    python reproduce/tba_async/plot.py [--csv tba_async.csv] [--png tba_async.png]
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sweep import curves, figure, final_values, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv, save
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ORDER = ["GRPO (synchronous)", "TBA k=2, m=0.5", "TBA k=2, m=0.95", "TBA k=2, m=1.0", "TBA k=16, m=0.95"]
+
+if __name__ == "__main__":
+    args = plot_args(os.path.join(HERE, "tba_async.csv"), os.path.join(HERE, "tba_async.png"))
+    rows = read_csv(args.csv)
+    minutes = [dict(r, minutes=r["time/elapsed"] / 60) for r in rows if "time/elapsed" in r]
+    fig, (wall, upd) = figure(2, width=5.2)
+    plot_curves(wall, minutes, "config", "eval/accuracy", x="minutes", order=ORDER, scale=100)
+    wall.set(title="(a) accuracy vs wall-clock", xlabel="minutes (1 of 2 CPU cores per run)",
+             ylabel="greedy accuracy on 500 held-out problems (%)")
+    plot_curves(upd, rows, "config", "eval/accuracy", order=ORDER, scale=100)
+    upd.set(title="(b) accuracy vs update: recency probability m, sync period k", xlabel="optimizer update",
+            ylabel="greedy accuracy (%)")
+    for ax in (wall, upd):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save(fig, args.png)
+    final = final_values(rows, "config", "eval/accuracy")
+    data = curves(minutes, "config", "eval/accuracy", x="minutes")
+    target = max(data["GRPO (synchronous)"][1])  # synchronous GRPO's best mean accuracy
+    table = []
+    for c in ORDER:
+        if c not in final:
+            continue
+        xs, mean = data[c][0], data[c][1]
+        reach = next((x for x, m in zip(xs, mean) if m >= target), None)
+        table.append([c, pm(final[c]), f"{max(mean) * 100:.1f}", f"{xs[-1]:.1f}",
+                      f"{reach:.1f}" if reach is not None else "not reached"])
+    print(markdown_table(["configuration", "final accuracy (%)", "peak mean accuracy (%)", "wall-clock (min)",
+                          f"minutes to GRPO's peak ({target * 100:.1f}%)"], table))

@@ -1,0 +1,48 @@
+"""TBA at toy scale: accuracy vs wall-clock against synchronous GRPO, and the effect of the recency probability m.
+
+    python reproduce/tba_async/run.py               # 5 configurations x 3 seeds = 15 runs of 320 updates
+    python reproduce/tba_async/plot.py              # -> tba_async.png and the numbers in README.md
+
+Synchronous GRPO: grpo.py at s = 0 (16 prompts x 8 per rollout batch, 4 updates from each). TBA: tba.py with 4
+prompts x 8 per update from its replay buffer (the same 32 samples per update), sync period k = 2 (the paper's GSM8K
+setting) with m in {0.5, 0.95, 1.0}, and k = 16 with the paper's m = 0.95. Same task, lr and budget as the other
+figures (sweep.toy_flags); every run has one of the two cores, another run beside it, so time/elapsed compare.
+"""
+
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tyro
+
+from sweep import Job, SweepArgs, run_sweep, toy_job, toy_policy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# configuration label -> (script, staleness / sync period, extra flags, run-name tag)
+CONFIGS = {
+    "GRPO (synchronous)": ("grpo", 0, (), ""),
+    "TBA k=2, m=0.5": ("tba", 2, ("--recency-prob", "0.5"), "m0.5"),
+    "TBA k=2, m=0.95": ("tba", 2, ("--recency-prob", "0.95"), "m0.95"),
+    "TBA k=2, m=1.0": ("tba", 2, ("--recency-prob", "1.0"), "m1.0"),
+    "TBA k=16, m=0.95": ("tba", 16, (), ""),  # the side-by-side run (m = 0.95 is tba.py's default)
+}
+KEYS = ["eval/accuracy", "charts/reward_mean", "losses/entropy", "async/staleness_mean", "tba/recency_frac",
+        "tba/buffer_size", "tba/residual_abs_mean"]
+
+
+@dataclass
+class Args(SweepArgs):
+    out: str = os.path.join(HERE, "tba_async.csv")
+    """the CSV of every run's metrics (the plot reads it)"""
+
+
+def jobs(args: Args, model: str) -> list[Job]:
+    return [toy_job(model, args, algo, s, seed, {"config": name}, extra, tag)
+            for name, (algo, s, extra, tag) in CONFIGS.items() for seed in args.seeds]
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    run_sweep(jobs(args, args.model or toy_policy()), args, KEYS, args.out)

@@ -1,0 +1,52 @@
+"""Draw vineppo.png: (a) accuracy vs update and (b) vs wall-clock for MC values (VinePPO) and a learned critic (PPO),
+(c) each estimator's value against the truth per state (value_prediction_states.csv); print the numbers.
+
+    python reproduce/vineppo/plot.py [--csv vineppo.csv] [--png vineppo.png]
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sweep import curves, figure, final_values, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv, save
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ORDER = ["MC (VinePPO)", "critic (PPO)"]
+
+if __name__ == "__main__":
+    args = plot_args(os.path.join(HERE, "vineppo.csv"), os.path.join(HERE, "vineppo.png"))
+    rows = read_csv(args.csv)
+    fig, (upd, wall, val) = figure(3)
+    plot_curves(upd, rows, "estimator", "eval/accuracy", order=ORDER, scale=100)
+    upd.set(title="(a) accuracy vs updates", xlabel="optimizer update", ylabel="greedy accuracy (%)")
+    minutes = [dict(r, minutes=r["time/elapsed"] / 60) for r in rows if "time/elapsed" in r]
+    plot_curves(wall, minutes, "estimator", "eval/accuracy", x="minutes", order=ORDER, scale=100)
+    wall.set(title="(b) accuracy vs wall-clock", xlabel="minutes (1 of 2 CPU cores per run)",
+             ylabel="greedy accuracy (%)")
+    states = read_csv(os.path.join(HERE, "value_prediction_states.csv"))
+    for key, label, marker in (("mc", "MC, K = 9", "o"), ("critic", "critic (20 updates)", "x")):
+        err = sum(abs(s[key] - s["truth"]) for s in states) / len(states)
+        val.scatter([s["truth"] for s in states], [s[key] for s in states], s=14, marker=marker,
+                    label=f"{label}: MAE {err:.3f}")
+    val.plot([0, 1], [0, 1], color="gray", linestyle="--", linewidth=1)
+    val.set(title=f"(c) value estimates, {len(states)} states (135M model)", xlabel="truth (64 rollouts)",
+            ylabel="estimate")
+    for ax in (upd, wall, val):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save(fig, args.png)
+    final = final_values(rows, "estimator", "eval/accuracy")
+    data = curves(rows, "estimator", "eval/accuracy")
+    peak_critic = max(data["critic (PPO)"][1])
+    table = []
+    for e in ORDER:
+        steps = [r["global_step"] for r in rows if r["estimator"] == e and "eval/accuracy" in r]
+        done = [r["time/elapsed"] / 60 for r in rows if r["estimator"] == e and r["global_step"] == max(steps)
+                and "eval/accuracy" in r]
+        xs_steps = sorted({r["global_step"] for r in rows if r["estimator"] == e and "eval/accuracy" in r})
+        reach = next((s for s, m in zip(xs_steps, data[e][1]) if m >= peak_critic), None)
+        table.append([e, pm(final[e]), f"{max(data[e][1]) * 100:.1f}", f"{mean_sd(done)[0]:.1f}",
+                      reach if reach is not None else "not reached"])
+    print(markdown_table(["estimator", "final accuracy (%)", "peak mean accuracy (%)", "wall-clock (min)",
+                          "first update at the critic's peak"], table))

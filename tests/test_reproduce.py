@@ -1,0 +1,134 @@
+"""reproduce/: the sweep helpers (reproduce/sweep.py), every figure's plot script on its committed CSV, and a tiny
+version of a run script end to end (runs, CSV, plot, reuse of finished runs)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "reproduce"))
+
+import sweep  # noqa: E402
+
+FIGURES = ["side_by_side", "m2po_staleness", "areal_eta", "dapo_ablation", "vineppo", "tba_async"]
+
+
+def write_metrics(run_dir, rows):
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_collect_bins_training_rows_and_keeps_eval_rows(tmp_path):
+    job = sweep.Job("a", "grpo", ["--seed", "1"], {"algo": "grpo", "seed": 1})
+    rows = [{"global_step": 0, "eval/accuracy": 0.3, "time/elapsed": 1.0}]
+    rows += [{"global_step": s, "losses/clipfrac": s / 10, "other": 5, "time/elapsed": 1.0 + s} for s in range(1, 7)]
+    rows += [{"global_step": 6, "eval/accuracy": 0.5, "time/elapsed": 8.0}]
+    write_metrics(tmp_path / "runs" / "a", rows)
+    out = sweep.collect([job], tmp_path, ["eval/accuracy", "losses/clipfrac"], bin_size=4)
+    evals = [r for r in out if "eval/accuracy" in r]
+    train = [r for r in out if "losses/clipfrac" in r]
+    assert [(r["global_step"], r["eval/accuracy"], r["time/elapsed"]) for r in evals] == [(0, 0.3, 1.0), (6, 0.5, 8.0)]
+    # bins (0, 4] and (4, 8]: the mean of the bin, labelled with its last update and that update's clock
+    assert [r["global_step"] for r in train] == [4, 6]
+    assert train[0]["losses/clipfrac"] == pytest.approx(0.25) and train[1]["losses/clipfrac"] == pytest.approx(0.55)
+    assert train[0]["time/elapsed"] == 5.0 and all(r["algo"] == "grpo" and r["seed"] == 1 for r in out)
+    assert all("other" not in r for r in out)
+
+
+def test_csv_round_trip_curves_and_final_values(tmp_path):
+    rows = [{"algo": a, "seed": seed, "global_step": step, "time/elapsed": 10.0 * step + seed,
+             "eval/accuracy": base + 0.01 * step + 0.1 * seed}
+            for a, base in (("x", 0.0), ("y", 0.2)) for seed in (1, 2, 3) for step in (0, 10, 20)]
+    rows.append({"algo": "x", "seed": 1, "global_step": 30, "eval/accuracy": 0.9})  # only one seed got there
+    rows.append({"algo": "x", "seed": 1, "global_step": 5, "losses/clipfrac": 0.1})
+    sweep.write_csv(rows, tmp_path / "r.csv")
+    back = sweep.read_csv(tmp_path / "r.csv")
+    assert len(back) == len(rows) and back[0]["algo"] == "x" and back[0]["eval/accuracy"] == pytest.approx(0.1)
+    assert "eval/accuracy" not in back[-1]  # empty cells are dropped
+    c = sweep.curves(back, "algo", "eval/accuracy")
+    xs, mean, lo, hi, n = c["x"]
+    assert xs == [0, 10, 20] and n == 3  # step 30 is left out: one seed only
+    assert mean == pytest.approx([0.2, 0.3, 0.4]) and lo == pytest.approx([0.1, 0.2, 0.3])
+    assert hi == pytest.approx([0.3, 0.4, 0.5])
+    assert sweep.curves(back, "algo", "eval/accuracy", x="time/elapsed")["y"][0] == pytest.approx([2.0, 102.0, 202.0])
+    final = sweep.final_values(back, "algo", "eval/accuracy")
+    assert sorted(final["y"]) == pytest.approx([0.5, 0.6, 0.7]) and sorted(final["x"]) == pytest.approx([0.4, 0.5, 0.9])
+    assert sorted(sweep.final_values(back, "algo", "eval/accuracy", last=2)["y"]) == pytest.approx([0.45, 0.55, 0.65])
+    mean, sd = sweep.mean_sd([1.0, 2.0, 3.0])
+    assert mean == 2.0 and sd == pytest.approx(1.0) and sweep.mean_sd([4.0]) == (4.0, 0.0)
+    assert sweep.pm([0.1, 0.2, 0.3]) == "20.0 ± 10.0"
+    assert sweep.markdown_table(["a", "b"], [[1, "x"]]) == "| a | b |\n|---|---|\n| 1 | x |"
+
+
+def test_toy_flags_and_job_names():
+    args = sweep.SweepArgs(updates=7, eval_every=3, eval_size=9, learning_rate=2e-5)
+    job = sweep.toy_job("M", args, "m2po", 256, 2, {"config": "c"}, ("--no-trust-region",), "notr")
+    assert job.name == "m2po_notr_s256_seed2" and job.labels == {"config": "c", "seed": 2}
+    assert job.flags() == ("--model M --seed 2 --total-updates 7 --learning-rate 2e-05 --eval-every 3 --eval-size 9 "
+                           "--staleness 256 --group-size 8 --prompts-per-batch 16 --updates-per-batch 4 "
+                           "--no-trust-region")
+    tba = sweep.toy_job("M", args, "tba", 2, 1, {})
+    assert tba.name == "tba_s2_seed1" and tba.flags().endswith("--group-size 8 --prompts-per-batch 4")
+    assert job.command()[1].endswith("algorithms/m2po.py") and job.command()[-2:] == ["--run-name", job.name]
+
+
+def test_run_jobs_refuses_bad_settings_and_runs_with_other_flags(tmp_path):
+    job = sweep.Job("a", "grpo", ["--seed", "1"])
+    with pytest.raises(ValueError, match="unique"):
+        sweep.run_jobs([job, job], tmp_path)
+    with pytest.raises(ValueError, match="parallel"):
+        sweep.run_jobs([job], tmp_path, parallel=0)
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "done").write_text("3.0")
+    (tmp_path / "runs" / "a" / "command.txt").write_text("--seed 2")
+    with pytest.raises(ValueError, match="other flags"):
+        sweep.run_jobs([job], tmp_path)
+    (tmp_path / "runs" / "a" / "command.txt").write_text("--seed 1")
+    assert sweep.run_jobs([job], tmp_path) == {"a": 3.0}  # finished with the same flags: reused, not re-run
+
+
+def test_run_jobs_stops_on_a_failing_run_with_its_log(tmp_path):
+    job = sweep.Job("bad", "grpo", ["--no-such-flag"])
+    with pytest.raises(RuntimeError, match="run bad failed") as err:
+        sweep.run_jobs([job], tmp_path)
+    assert "no-such-flag" in str(err.value) and not (tmp_path / "runs" / "bad" / "done").exists()
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_plot_script_draws_the_committed_csv(name, tmp_path):
+    png = tmp_path / f"{name}.png"
+    proc = subprocess.run([sys.executable, str(ROOT / "reproduce" / name / "plot.py"), "--png", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "|---|" in proc.stdout  # the table the README carries
+
+
+def test_tiny_side_by_side_run_writes_a_csv_the_plot_reads(toy_path, tmp_path):
+    csv_path, work = tmp_path / "sbs.csv", tmp_path / "work"
+    cmd = [sys.executable, str(ROOT / "reproduce" / "side_by_side" / "run.py"), "--model", str(toy_path), "--algos",
+           "grpo", "tba", "--staleness", "0", "4", "--seeds", "1", "--updates", "4", "--eval-every", "2",
+           "--eval-size", "8", "--work-dir", str(work), "--out", str(csv_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = sweep.read_csv(csv_path)
+    for algo in ("grpo", "tba"):
+        for s in (0, 4):
+            mine = [r for r in rows if r["algo"] == algo and r["staleness"] == s and r["seed"] == 1]
+            assert sorted(r["global_step"] for r in mine if "eval/accuracy" in r) == [0, 2, 4]
+            train = [r for r in mine if "charts/reward_mean" in r]
+            assert [r["global_step"] for r in train] == [4] and 0 <= train[0]["charts/reward_mean"] <= 1
+            assert all(math.isfinite(r["time/elapsed"]) for r in mine)
+            assert (work / "runs" / f"{algo}_s{s}_seed1" / "done").exists()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # finished runs are reused
+    assert again.returncode == 0 and "4 runs in" in again.stdout and "(4 already done)" in again.stdout
+    png = tmp_path / "sbs.png"
+    plot = subprocess.run([sys.executable, str(ROOT / "reproduce" / "side_by_side" / "plot.py"), "--csv",
+                           str(csv_path), "--png", str(png)], capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    assert png.exists() and "| grpo |" in plot.stdout and "| tba |" in plot.stdout
