@@ -292,14 +292,15 @@ def plot_args(default_csv: str, default_png: str):
     return parser.parse_args()
 
 
-def figure(n_panels: int, width: float = 4.6, height: float = 3.6):
+def figure(n_panels: int, width: float = 4.6, height: float = 3.6, sharey: bool = False):
     """A row of ``n_panels`` matplotlib axes (headless backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, n_panels, figsize=(width * n_panels, height), squeeze=False)
+    fig, axes = plt.subplots(1, n_panels, figsize=(width * n_panels, height), squeeze=False,
+                             sharey=sharey)
     return fig, list(axes[0])
 
 

@@ -18,14 +18,14 @@ if __name__ == "__main__":
     rows = read_csv(args.csv)
     stalenesses = sorted({int(r["staleness"]) for r in rows})
     start = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r and r["global_step"] == 0]
-    fig, axes = figure(len(stalenesses), width=4.2)
+    fig, axes = figure(len(stalenesses), width=4.2, sharey=True)
     for ax, s in zip(axes, stalenesses):
         plot_curves(ax, [r for r in rows if int(r["staleness"]) == s], "algo", "eval/accuracy", order=ALGOS,
                     scale=100)
         ax.set_title(f"staleness s = {s}" + (" (tba: sync period k)" if s else ""))
         ax.set_xlabel("optimizer update")
-        ax.set_ylabel("greedy accuracy on 500 held-out problems (%)")
         ax.grid(alpha=0.3)
+    axes[0].set_ylabel("greedy accuracy on 500 held-out problems (%)")
     axes[0].legend(fontsize=8)
     save(fig, args.png)
     table = []
