@@ -30,18 +30,19 @@ if __name__ == "__main__":
     fig, (acc, frac, m2) = figure(3)
     plot_curves(acc, rows, "config", "eval/accuracy", order=ORDER, scale=100)
     acc.set(title="(a) greedy accuracy", xlabel="optimizer update", ylabel="accuracy on 500 held-out problems (%)")
-    # GRPO's clipped tokens vs M2PO's masked tokens (the trust region's footprint)
+    # GRPO's clipped tokens vs M2PO's masked tokens (the trust region's footprint): losses/clipfrac in both scripts
     grpo = [dict(r, config=r["config"] + " clipped") for r in rows if r["config"].startswith("GRPO")]
-    m2po = [dict(r, config=r["config"] + " masked", **{"losses/clipfrac": r["m2po/constrained_frac"]})
-            for r in rows if r["config"].startswith("M2PO") and "m2po/constrained_frac" in r]
+    m2po = [dict(r, config=r["config"] + " masked") for r in rows if r["config"].startswith("M2PO")]
     plot_curves(frac, grpo + m2po, "config", "losses/clipfrac", scale=100)
     frac.set(title="(b) clipped (GRPO) / masked (M2PO) tokens", xlabel="optimizer update", ylabel="% of tokens")
     frac.set_yscale("symlog", linthresh=0.1)
-    m2_rows = []  # M2PO's M2 of each minibatch before and after its mask; the unconstrained run's for contrast
+    # M2 of each minibatch (all response tokens) and, for M2PO, the capped M2 of the active-quadrant tokens the trust
+    # region bounds (docs/m2po.md); the unconstrained run's M2 for contrast
+    m2_rows = []
     for r in rows:
-        series = {"M2PO s=256": [("before", "m2po/M2"), ("after masking", "m2po/M2_after")],
-                  "no trust region s=256": [("", "m2po/M2")]}.get(r["config"], [])
-        m2_rows += [dict(r, config=f"{r['config']} {name}".strip(), M2=r[key]) for name, key in series if key in r]
+        series = {"M2PO s=256": [("M2, all tokens", "m2po/M2"), ("after: active tokens, capped", "m2po/M2_after")],
+                  "no trust region s=256": [("M2, all tokens", "m2po/M2")]}.get(r["config"], [])
+        m2_rows += [dict(r, config=f"{r['config']}: {name}", M2=r[key]) for name, key in series if key in r]
     plot_curves(m2, m2_rows, "config", "M2")
     m2.axhline(0.04, color="gray", linestyle="--", linewidth=1, label="threshold tau_M2 = 0.04")
     m2.set(title="(c) second moment M2 of log-ratios", xlabel="optimizer update", ylabel="M2 = mean (log r)^2")
@@ -52,14 +53,15 @@ if __name__ == "__main__":
     save(fig, args.png)
     final = final_values(rows, "config", "eval/accuracy")
     table = []
-    for c in ORDER:
-        key = "m2po/constrained_frac" if c.startswith("M2PO") else "losses/clipfrac"
-        frac_c = run_means(rows, c, key) if not c.startswith("no") else []
+    for c in [c for c in ORDER if c in final]:
+        frac_c = run_means(rows, c, "losses/clipfrac") if not c.startswith("no") else []
         m2_c = run_means(rows, c, "m2po/M2")
         m2a = run_means(rows, c, "m2po/M2_after") if c.startswith("M2PO") else []
+        bound = run_means(rows, c, "m2po/constrained_frac") if c.startswith("M2PO") else []
         table.append([c, pm(final[c]), pm(frac_c, digits=2) if frac_c else "-",
-                      f"{mean_sd(m2_c)[0]:.4f}" if m2_c else "-", f"{mean_sd(m2a)[0]:.4f}" if m2a else "-"])
-    print(markdown_table(["configuration", "final accuracy (%)", "clipped / masked tokens (%)", "M2 before",
-                          "M2 after masking"], table))
+                      f"{mean_sd(m2_c)[0]:.4f}" if m2_c else "-", f"{mean_sd(m2a)[0]:.4f}" if m2a else "-",
+                      pm(bound, digits=0) if bound else "-"])
+    print(markdown_table(["configuration", "final accuracy (%)", "clipped / masked tokens (%)", "M2 (all tokens)",
+                          "M2 after the trust region (active tokens, capped)", "micro-batches constrained (%)"], table))
     data = curves(rows, "config", "eval/accuracy")
     print("best accuracy (%, mean over seeds):", {c: round(max(data[c][1]) * 100, 1) for c in ORDER if c in data})
