@@ -23,7 +23,7 @@ if __name__ == "__main__":
     wall.set(title="(a) accuracy vs wall-clock", xlabel="minutes (1 of 2 CPU cores per run)",
              ylabel="greedy accuracy on 500 held-out problems (%)")
     plot_curves(upd, rows, "config", "eval/accuracy", order=ORDER, scale=100)
-    upd.set(title="(b) accuracy vs update: recency probability m, sync period k", xlabel="optimizer update",
+    upd.set(title="(b) accuracy vs update (m: recency prob., k: sync period)", xlabel="optimizer update",
             ylabel="greedy accuracy (%)")
     for ax in (wall, upd):
         ax.grid(alpha=0.3)
