@@ -36,7 +36,7 @@ if __name__ == "__main__":
     rows = read_csv(args.csv)
     acc_rows = [dict(r, key=(r["loss"], int(r["eta"]))) for r in rows if r["part"] == "accuracy"]
     final = final_values(acc_rows, "key", "eval/accuracy")
-    etas = sorted({e for _, e in final})
+    etas = sorted(e for loss, e in final if loss == "naive" and ("decoupled", e) in final)  # both losses ran
     fig, (acc, thr) = figure(2)
     for loss, label in (("naive", "naive PPO (clip on pi_theta / pi_behav)"), ("decoupled", "decoupled PPO")):
         stats = [mean_sd(final[(loss, e)]) for e in etas]
