@@ -243,8 +243,18 @@ def final_values(rows: list[dict], group: str, y: str, last: int = 1) -> dict:
     for r in rows:
         if y in r:
             per[r[group]][r.get("seed")].append((r["global_step"], r[y]))
-    return {g: [sum(v for _, v in sorted(pts)[-last:]) / len(sorted(pts)[-last:]) for pts in seeds.values()]
+    return {g: [sum(v for _, v in sorted(pts)[-last:]) / min(last, len(pts)) for pts in seeds.values()]
             for g, seeds in per.items()}
+
+
+def run_means(rows: list[dict], group: str, value, y: str) -> list[float]:
+    """Per seed of the rows whose ``group`` column is ``value``: the mean of ``y`` over all its rows (for training
+    metrics, the mean over the whole run)."""
+    per: dict = defaultdict(list)
+    for r in rows:
+        if r[group] == value and y in r:
+            per[r.get("seed")].append(r[y])
+    return [sum(v) / len(v) for v in per.values()]
 
 
 def mean_sd(values: list[float]) -> tuple[float, float]:

@@ -132,3 +132,10 @@ def test_tiny_side_by_side_run_writes_a_csv_the_plot_reads(toy_path, tmp_path):
                            str(csv_path), "--png", str(png)], capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr[-3000:]
     assert png.exists() and "| grpo |" in plot.stdout and "| tba |" in plot.stdout
+
+
+def test_run_means_averages_each_seed_over_its_rows():
+    rows = [{"row": "a", "seed": 1, "x": 1.0}, {"row": "a", "seed": 1, "x": 3.0}, {"row": "a", "seed": 2, "x": 5.0},
+            {"row": "a", "seed": 2}, {"row": "b", "seed": 1, "x": 100.0}]
+    assert sorted(sweep.run_means(rows, "row", "a", "x")) == [2.0, 5.0]
+    assert sweep.run_means(rows, "row", "c", "x") == []

@@ -9,20 +9,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sweep import figure, final_values, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv, save
+from sweep import (figure, final_values, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv, run_means,
+                   save)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = ["GRPO", "+ overlong filtering", "+ clip-higher", "+ soft overlong punishment", "+ token-level loss",
         "+ dynamic sampling (DAPO)"]
 PAPER = [30, 36, 38, 41, 42, 50]  # DAPO Table 1: AIME 2024 avg@32 of Qwen2.5-32B
-
-
-def run_means(rows: list[dict], row: str, key: str) -> list[float]:
-    per: dict = {}
-    for r in rows:
-        if r["row"] == row and key in r:
-            per.setdefault(r["seed"], []).append(r[key])
-    return [sum(v) / len(v) for v in per.values()]
 
 
 if __name__ == "__main__":
@@ -51,10 +44,11 @@ if __name__ == "__main__":
     save(fig, args.png)
     table = []
     for r, paper in zip(ROWS, PAPER):
-        filt = run_means(rows, r, "dapo/overlong_filtered_frac")
-        pen = run_means(rows, r, "dapo/overlong_penalty_mean")
-        kept = [k / g for k, g in zip(run_means(rows, r, "dapo/groups_kept"), run_means(rows, r, "dapo/groups_generated"))]
-        table.append([r, pm(final[r]), pm(run_means(rows, r, "losses/entropy"), scale=1, digits=3),
+        filt = run_means(rows, "row", r, "dapo/overlong_filtered_frac")
+        pen = run_means(rows, "row", r, "dapo/overlong_penalty_mean")
+        kept = [k / g for k, g in zip(run_means(rows, "row", r, "dapo/groups_kept"),
+                                      run_means(rows, "row", r, "dapo/groups_generated"))]
+        table.append([r, pm(final[r]), pm(run_means(rows, "row", r, "losses/entropy"), scale=1, digits=3),
                       f"{mean_sd(filt)[0] * 100:.2f}" if filt else "-", f"{mean_sd(pen)[0]:.4f}" if pen else "-",
                       f"{mean_sd(kept)[0] * 100:.0f}" if kept and r == ROWS[-1] else "-", paper])
     print(markdown_table(["row", "final accuracy (%)", "mean entropy", "overlong-filtered samples (%)",

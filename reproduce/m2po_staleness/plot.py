@@ -9,19 +9,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sweep import curves, final_values, figure, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv, save
+from sweep import (curves, figure, final_values, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv,
+                   run_means, save)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ORDER = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=0", "M2PO s=256"]
-
-
-def run_means(rows: list[dict], config: str, key: str) -> list[float]:
-    """Per seed: the mean of ``key`` over its whole run (the binned training rows)."""
-    per: dict = {}
-    for r in rows:
-        if r["config"] == config and key in r:
-            per.setdefault(r["seed"], []).append(r[key])
-    return [sum(v) / len(v) for v in per.values()]
 
 
 if __name__ == "__main__":
@@ -54,10 +46,10 @@ if __name__ == "__main__":
     final = final_values(rows, "config", "eval/accuracy")
     table = []
     for c in [c for c in ORDER if c in final]:
-        frac_c = run_means(rows, c, "losses/clipfrac") if not c.startswith("no") else []
-        m2_c = run_means(rows, c, "m2po/M2")
-        m2a = run_means(rows, c, "m2po/M2_after") if c.startswith("M2PO") else []
-        bound = run_means(rows, c, "m2po/constrained_frac") if c.startswith("M2PO") else []
+        frac_c = run_means(rows, "config", c, "losses/clipfrac") if not c.startswith("no") else []
+        m2_c = run_means(rows, "config", c, "m2po/M2")
+        m2a = run_means(rows, "config", c, "m2po/M2_after") if c.startswith("M2PO") else []
+        bound = run_means(rows, "config", c, "m2po/constrained_frac") if c.startswith("M2PO") else []
         table.append([c, pm(final[c]), pm(frac_c, digits=2) if frac_c else "-",
                       f"{mean_sd(m2_c)[0]:.4f}" if m2_c else "-", f"{mean_sd(m2a)[0]:.4f}" if m2a else "-",
                       pm(bound, digits=0) if bound else "-"])

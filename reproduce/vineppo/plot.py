@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sweep import curves, figure, final_values, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv, save
+from sweep import curves, figure, final_values, markdown_table, plot_args, plot_curves, pm, read_csv, save
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ORDER = ["MC (VinePPO)", "critic (PPO)"]
@@ -39,14 +39,12 @@ if __name__ == "__main__":
     final = final_values(rows, "estimator", "eval/accuracy")
     data = curves(rows, "estimator", "eval/accuracy")
     peak_critic = max(data["critic (PPO)"][1])
+    clock = curves([r for r in rows if "eval/accuracy" in r], "estimator", "time/elapsed")  # at each evaluation
     table = []
     for e in ORDER:
-        steps = [r["global_step"] for r in rows if r["estimator"] == e and "eval/accuracy" in r]
-        done = [r["time/elapsed"] / 60 for r in rows if r["estimator"] == e and r["global_step"] == max(steps)
-                and "eval/accuracy" in r]
-        xs_steps = sorted({r["global_step"] for r in rows if r["estimator"] == e and "eval/accuracy" in r})
-        reach = next((s for s, m in zip(xs_steps, data[e][1]) if m >= peak_critic), None)
-        table.append([e, pm(final[e]), f"{max(data[e][1]) * 100:.1f}", f"{mean_sd(done)[0]:.1f}",
+        steps, mean = data[e][0], data[e][1]
+        reach = next((s for s, m in zip(steps, mean) if m >= peak_critic), None)
+        table.append([e, pm(final[e]), f"{max(mean) * 100:.1f}", f"{clock[e][1][-1] / 60:.1f}",
                       reach if reach is not None else "not reached"])
     print(markdown_table(["estimator", "final accuracy (%)", "peak mean accuracy (%)", "wall-clock (min)",
                           "first update at the critic's peak"], table))
