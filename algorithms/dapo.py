@@ -18,7 +18,7 @@ import torch
 import tyro
 
 from common.batching import collate, pad_float, response_logprobs
-from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,
                                 load_full_state_dicts, merge_ranks, shard_model, shutdown)
 from common.engine import make_engine, sample, weight_payload
@@ -94,10 +94,14 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    max_nonfinite_skips: int = 3
+    """end the run, saving the last finite state, after this many updates in a row with a NaN/inf loss or gradient"""
     eval_every: int = 10
     """greedy evaluation every N updates (and at update 0 and the end); 0 disables it"""
     checkpoint_every: int = 0
-    """save runs/<run_name>/checkpoint.pt every N updates (0: only at the end or on Ctrl-C)"""
+    """save runs/<run_name>/checkpoint.pt every N updates (0: only at the end, on Ctrl-C/SIGTERM and by wall-clock)"""
+    checkpoint_minutes: float = 30.0
+    """safety checkpoint: also save it when this many minutes have passed since the last save (0 disables it)"""
     resume: str | None = None
     """resume from a checkpoint.pt (or its run folder); the run continues in that folder"""
     gen_batch_size: int = 64
@@ -110,6 +114,10 @@ class Args:
     """fault injection for tests: the producer raises an error when it reaches this batch"""
     debug_interrupt_at: int = -1
     """fault injection for tests: behave as if Ctrl-C arrived right after this update"""
+    debug_nonfinite_at: tuple[int, ...] = ()
+    """fault injection for tests: these updates get a NaN gradient (as a bf16 overflow gives)"""
+    debug_kill_at: int = -1
+    """fault injection for tests: SIGKILL the process right after this update is logged (not on --resume)"""
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
@@ -198,7 +206,7 @@ def groups_with_spread(correct: torch.Tensor) -> torch.Tensor:
 
 def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi_theta || pi_ref) per token (DeepSeekMath eq. 4): exp(-d) + d - 1, d = logp - logp_ref,
-    with d clamped to [-10, 10] as verl does."""
+    with d clamped to [-10, 10] against overflow (verl clamps the k3 value to [-10, 10] instead, not d)."""
     d = torch.clamp(logp - logp_ref, -10.0, 10.0)
     return torch.exp(-d) + d - 1.0
 
@@ -237,6 +245,8 @@ if __name__ == "__main__":
     # ---------------------------------------------------------------- shared plumbing: checks and setup
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
+    if args.checkpoint_minutes < 0:
+        raise SystemExit(f"--checkpoint-minutes must be >= 0 (0: no safety checkpoints), got {args.checkpoint_minutes}")
     if args.group_size < 2:
         raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
     if min(args.prompts_per_batch, args.updates_per_batch, args.total_updates, args.max_new_tokens,
@@ -337,8 +347,9 @@ if __name__ == "__main__":
             payload = weights_copy()
             if rank == 0:
                 outbox.append((start_update, payload))
+    guard = NonFiniteGuard(args.max_nonfinite_skips, ckpt.get("nonfinite_skips", 0) if ckpt else 0, log=print0)
     tracker = Tracker(run_dir, asdict(args), track=args.track, project=args.wandb_project, run_name=run_name,
-                      resume=ckpt is not None, enabled=rank == 0)
+                      resume=ckpt["update"] if ckpt else None, enabled=rank == 0)
     print0(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
           f"{task.info['prompt_template']}) | model {model_path} | batch {args.prompts_per_batch}x{args.group_size} | "
           f"{U} update(s)/batch | staleness {s} (FIFO depth {-(-s // U)} batches) | {args.total_updates} updates | "
@@ -452,11 +463,12 @@ if __name__ == "__main__":
                          pending_weights=list(weights_q.queue) + outbox, rollouts=pending + list(rollout_q.queue))
         finally:
             pause_req.clear()
-        save_checkpoint(ckpt_path, state)
+        save_checkpoint(ckpt_path, {**state, "nonfinite_skips": guard.skips})
         barrier()
 
     interrupted = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, and the notice a cluster sends before preemption
+        signal.signal(sig, lambda *_: interrupted.set())
     thread = None
     if rank == 0:
         thread = threading.Thread(target=producer, name="rollout-producer", daemon=True)
@@ -487,6 +499,7 @@ if __name__ == "__main__":
     # ---------------------------------------------------------------- training loop
     pending: list[dict] = []  # the batch being consumed (kept for checkpoints until its last minibatch)
     start_time, ckpt_path = time.time(), os.path.join(run_dir, "checkpoint.pt")
+    saved_at = start_time  # wall-clock of the last checkpoint (or of the start): the safety checkpoint's clock
     update, trained_tokens = start_update, 0
     try:
         if update == 0 and args.eval_every > 0:
@@ -547,9 +560,12 @@ if __name__ == "__main__":
                     tok[key].append(v.detach()[mask])
             # every response token of the minibatch (all ranks), flattened; sums over the ranks
             tok, policy_loss, seen_tokens = merge_ranks(tok, policy_loss, seen_tokens)
+            if update + 1 in args.debug_nonfinite_at:  # fault injection for tests: a NaN gradient
+                next(policy.parameters()).grad.fill_(float("nan"))
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            optimizer.step()
-            update += 1  # the policy is now version `update`
+            if guard.check(update + 1, policy_loss=policy_loss, grad_norm=grad_norm):  # NaN/inf: no step, counted
+                optimizer.step()
+            update += 1  # the policy is now version `update` (with the previous weights if the step was skipped)
             train_time = time.time() - t0
             # ---- shared plumbing: weight sync to the engine (only versions a future batch is generated with)
             t1 = time.time()
@@ -591,6 +607,7 @@ if __name__ == "__main__":
                 "losses/ratio_mean": mean(tok["ratio"]),
                 "losses/ratio_max": tok["ratio"].max().item() if tok["ratio"].numel() else 1.0,
                 "losses/grad_norm": grad_norm.item(),
+                "losses/nonfinite_skips": guard.skips,
                 "async/staleness_mean": float(staleness),
                 "async/staleness_max": float(staleness),
                 "async/policy_version": update,
@@ -619,8 +636,16 @@ if __name__ == "__main__":
                                 ["charts/reward_mean", "charts/accuracy", "eval/accuracy", "losses/clipfrac",
                                  "dapo/groups_kept", "async/staleness_mean",
                                  "charts/gen_tokens_per_sec", "charts/train_tokens_per_sec"]), flush=True)
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < args.total_updates:
+            if update == args.debug_kill_at and not args.resume:  # fault injection for tests: the machine dies here
+                os.kill(os.getpid(), signal.SIGKILL)
+            if guard.exhausted:  # too many non-finite updates in a row: stop, with the last finite state saved
                 save(update)
+                raise SystemExit(guard.message(update, ckpt_path))
+            periodic = args.checkpoint_every > 0 and update % args.checkpoint_every == 0
+            safety = any(all_ranks(0 < 60 * args.checkpoint_minutes <= time.time() - saved_at))  # by wall-clock
+            if (periodic or safety) and update < args.total_updates:
+                save(update)
+                saved_at = time.time()
             if update == args.debug_interrupt_at:
                 interrupted.set()
             if any(all_ranks(interrupted.is_set())):  # Ctrl-C: every rank stops after this update

@@ -19,7 +19,7 @@ import torch
 import tyro
 
 from common.batching import collate, pad_float, response_hidden, response_logprobs
-from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,
                                 load_full_state_dicts, merge_ranks, shard_model, shutdown)
 from common.engine import make_engine, sample, weight_payload
@@ -95,10 +95,14 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    max_nonfinite_skips: int = 3
+    """end the run, saving the last finite state, after this many updates in a row with a NaN/inf loss or gradient"""
     eval_every: int = 10
     """greedy evaluation every N updates (and at update 0 and the end); 0 disables it"""
     checkpoint_every: int = 0
-    """save runs/<run_name>/checkpoint.pt every N updates (0: only at the end or on Ctrl-C)"""
+    """save runs/<run_name>/checkpoint.pt every N updates (0: only at the end, on Ctrl-C/SIGTERM and by wall-clock)"""
+    checkpoint_minutes: float = 30.0
+    """safety checkpoint: also save it when this many minutes have passed since the last save (0 disables it)"""
     resume: str | None = None
     """resume from a checkpoint.pt (or its run folder); the run continues in that folder"""
     gen_batch_size: int = 256
@@ -111,6 +115,10 @@ class Args:
     """fault injection for tests: the producer raises an error when it reaches this batch"""
     debug_interrupt_at: int = -1
     """fault injection for tests: behave as if Ctrl-C arrived right after this update"""
+    debug_nonfinite_at: tuple[int, ...] = ()
+    """fault injection for tests: these updates get a NaN gradient (as a bf16 overflow gives)"""
+    debug_kill_at: int = -1
+    """fault injection for tests: SIGKILL the process right after this update is logged (not on --resume)"""
 
     # Algorithm specific arguments
     value_estimator: Literal["mc", "critic"] = "mc"
@@ -118,7 +126,7 @@ class Args:
     mc_samples: int = 9
     """K: Monte Carlo completions per state (the paper's K = 9)"""
     max_steps: int = 25
-    """states per response that get an MC value (the prompt + the first max_steps-1 step starts); later: own return"""
+    """the authors' step cap (GSM8K: 25): states s_0 (prompt) .. s_max_steps get MC values; later ones: the return"""
     epochs: int = 1
     """passes over each rollout batch (the paper: 2); each pass is --updates-per-batch optimizer updates"""
     clip_eps: float = 0.2
@@ -164,17 +172,37 @@ def step_starts(token_texts: list[str]) -> list[int]:
     return starts
 
 
+UNFINISHED_REWARD = 0.0  # the authors' reward for a response that hit the length limit (their configs' penalty: 0)
+
+
+def trajectory_reward(verifier_reward: float, truncated: bool) -> float:
+    """The authors' trajectory score: a response cut at the length limit is unfinished and scores UNFINISHED_REWARD,
+    whatever the verifier finds in its cut text."""
+    return UNFINISHED_REWARD if truncated else verifier_reward
+
+
+def mc_state_starts(starts: list[int], max_steps: int) -> list[int]:
+    """The step starts whose states get an MC value, as in the authors' code (value requests of
+    MathEpisodeGeneratorWithMCAdvantages): s_0 (the prompt) and the state after step i for i <= min(n - 2, cap - 1),
+    i.e. s_0 .. s_min(n-1, cap), at most cap + 1 states (26 with the GSM8K cap 25). The terminal state is V = 0."""
+    return starts[:max_steps + 1]
+
+
 def mc_values(states: list[tuple[list[int], int]], K: int, generate, reward) -> list[float]:
     """Monte Carlo value of each state (VinePPO sec. 4): V(s) = (1/K) sum_k R(s + c_k), c_k ~ pi(. | s).
 
-    ``states``: (prefix ids, token budget) pairs. ``generate(prefixes, n, max_new_tokens)`` returns n completions
-    (id lists) per prefix, prefix-major, in one batched call; each completion is cut to its state's budget (the
-    trajectory's own length limit). ``reward(j, completion_ids)`` scores state j's prefix text + completion.
+    ``states``: (prefix ids, token budget) pairs. ``generate(prefixes, n, max_new_tokens)`` returns n (completion ids,
+    truncated) pairs per prefix, prefix-major, in one batched call. A completion that hit the length limit (the engine
+    truncated it, or it runs past its state's budget, the trajectory's own limit) is unfinished and scores
+    UNFINISHED_REWARD without the verifier, as in the authors' code; ``reward(j, completion_ids)`` scores the others
+    (state j's prefix text + completion).
     """
     if not states:
         return []
     comps = generate([p for p, _ in states], K, max(b for _, b in states))
-    return [sum(reward(j, c[:budget]) for c in comps[j * K:(j + 1) * K]) / K for j, (_, budget) in enumerate(states)]
+    score = lambda j, c, cut, budget: UNFINISHED_REWARD if cut or len(c) > budget else reward(j, c)
+    return [sum(score(j, c, cut, budget) for c, cut in comps[j * K:(j + 1) * K]) / K
+            for j, (_, budget) in enumerate(states)]
 
 
 def step_advantages(values: list[float], reward: float, n_steps: int) -> list[float]:
@@ -235,10 +263,18 @@ def clipped_surrogate(logp: torch.Tensor, logp_behav: torch.Tensor, adv: torch.T
 
 
 def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(pi_theta || pi_ref) per token: exp(-d) + d - 1, d = logp - logp_ref (d clamped to [-10, 10]),
-    the result clamped to [0, 10] as VinePPO's code does."""
-    d = torch.clamp(logp - logp_ref, -10.0, 10.0)
+    """k3 estimator of KL(pi_theta || pi_ref) per token (the authors' "control_variate"): exp(-d) + d - 1,
+    d = logp - logp_ref, the value clamped to [0, 10] as their code does. d is first clamped to [-20, 20] so exp cannot
+    overflow (inf * 0 = NaN in the backward pass); that changes nothing, as |d| > 11 already gives k3 > 10."""
+    d = torch.clamp(logp - logp_ref, -20.0, 20.0)
     return torch.clamp(torch.exp(-d) + d - 1.0, 0.0, 10.0)
+
+
+def kl_penalty(kl: torch.Tensor, mask: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """The authors' KL term (PPOTrainer._compute_actor_loss): mean over the minibatch's sequences of sum_t kl_t,
+    added (times beta) next to the token-mean PPO loss, so a token's KL weighs beta / B, not beta / #tokens.
+    ``num_seqs``: the minibatch's sequence count when ``kl`` is one micro-batch of it (the results then sum)."""
+    return (kl * mask.to(kl.dtype)).sum() / max(num_seqs, 1)
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None,
@@ -295,13 +331,15 @@ if __name__ == "__main__":
     # ---------------------------------------------------------------- shared plumbing: checks and setup
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
+    if args.checkpoint_minutes < 0:
+        raise SystemExit(f"--checkpoint-minutes must be >= 0 (0: no safety checkpoints), got {args.checkpoint_minutes}")
     if min(args.prompts_per_batch, args.group_size, args.updates_per_batch, args.total_updates, args.max_new_tokens,
            args.micro_batch_size) < 1:
         raise SystemExit("--prompts-per-batch, --group-size, --updates-per-batch, --total-updates, --max-new-tokens and "
                          "--micro-batch-size must be >= 1")
-    if min(args.mc_samples, args.max_steps, args.epochs) < 1:
-        raise SystemExit(f"--mc-samples (K, the paper: 9), --max-steps (the paper: 25) and --epochs must be >= 1, got "
-                         f"{args.mc_samples}, {args.max_steps}, {args.epochs}")
+    if min(args.mc_samples, args.max_steps + 1, args.epochs) < 1:
+        raise SystemExit(f"--mc-samples (K, the paper: 9) and --epochs must be >= 1, --max-steps (the authors' GSM8K "
+                         f"cap: 25) >= 0, got {args.mc_samples}, {args.epochs}, {args.max_steps}")
     if not args.ratio_guard > 0:
         raise SystemExit(f"--ratio-guard must be > 0 (a mean importance ratio; the paper skips batches above 10), got "
                          f"{args.ratio_guard}")
@@ -404,8 +442,9 @@ if __name__ == "__main__":
             payload = weights_copy()
             if rank == 0:
                 outbox.append((start_update, payload))
+    guard = NonFiniteGuard(args.max_nonfinite_skips, ckpt.get("nonfinite_skips", 0) if ckpt else 0, log=print0)
     tracker = Tracker(run_dir, asdict(args), track=args.track, project=args.wandb_project, run_name=run_name,
-                      resume=ckpt is not None, enabled=rank == 0)
+                      resume=ckpt["update"] if ckpt else None, enabled=rank == 0)
     print0(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
           f"{task.info['prompt_template']}) | model {model_path} | batch {args.prompts_per_batch}x{args.group_size} | "
           f"{U} update(s)/batch | staleness {s} (FIFO depth {-(-s // U)} batches) | {args.total_updates} updates | "
@@ -456,24 +495,25 @@ if __name__ == "__main__":
                 release_free_memory()  # the generation's KV caches go back to the OS before the trainer needs memory
                 texts = tokenizer.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
                 rewards = [task.reward(t, rows[i // args.group_size]) for i, t in enumerate(texts)]
+                rewards = [trajectory_reward(r, o["truncated"]) for r, o in zip(rewards, outs)]
                 # ---- algorithm: split into steps; K Monte Carlo completions from every distinct state, batched,
                 # with the engine's current weights: the behaviour policy's values, also under staleness
                 t0 = time.time()
                 starts = [step_starts([tok_text(t) for t in o["response"]]) for o in outs]
                 state_of: dict = {}  # (prompt index, response prefix) -> state index; a group shares its prompt state
                 for i, o in enumerate(outs):
-                    for b in starts[i][:args.max_steps]:
+                    for b in mc_state_starts(starts[i], args.max_steps):
                         state_of.setdefault((i // args.group_size, tuple(o["response"][:b])), len(state_of))
                 keys, V, values = list(state_of), [], []
                 if critic is None:
-                    gen_mc = lambda p, n, T: [o["response"] for o in engine.generate(
+                    gen_mc = lambda p, n, T: [(o["response"], o["truncated"]) for o in engine.generate(
                         p, n=n, max_new_tokens=T, temperature=args.temperature, top_p=args.top_p,
                         seed=args.seed * 1_000_003 + k + 2**40)]
                     score = lambda j, c: task.reward(tokenizer.decode(list(keys[j][1]) + c, skip_special_tokens=True),
                                                      rows[keys[j][0]])
                     V = mc_values([(unique[g] + list(r), args.max_new_tokens - len(r)) for g, r in keys], K, gen_mc, score)
                     values = [[V[state_of[(i // args.group_size, tuple(o["response"][:b]))]]
-                               for b in starts[i][:args.max_steps]] for i, o in enumerate(outs)]
+                               for b in mc_state_starts(starts[i], args.max_steps)] for i, o in enumerate(outs)]
                     release_free_memory()
                 rollout_q.put(dict(k=k, version=engine.version, prompts=prompts, outs=outs, rewards=rewards,
                                    gen_time=gen_time, producer_wait=producer_wait,
@@ -522,11 +562,12 @@ if __name__ == "__main__":
                          pending_weights=list(weights_q.queue) + outbox, rollouts=pending + list(rollout_q.queue))
         finally:
             pause_req.clear()
-        save_checkpoint(ckpt_path, state)
+        save_checkpoint(ckpt_path, {**state, "nonfinite_skips": guard.skips})
         barrier()
 
     interrupted = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, and the notice a cluster sends before preemption
+        signal.signal(sig, lambda *_: interrupted.set())
     thread = None
     if rank == 0:
         thread = threading.Thread(target=producer, name="rollout-producer", daemon=True)
@@ -557,6 +598,7 @@ if __name__ == "__main__":
     # ---------------------------------------------------------------- training loop
     pending: list[dict] = []  # the batch being consumed (kept for checkpoints until its last minibatch)
     start_time, ckpt_path = time.time(), os.path.join(run_dir, "checkpoint.pt")
+    saved_at = start_time  # wall-clock of the last checkpoint (or of the start): the safety checkpoint's clock
     update, trained_tokens = start_update, 0
     try:
         if update == 0 and args.eval_every > 0:
@@ -640,9 +682,10 @@ if __name__ == "__main__":
                             logp_ref, _ = response_logprobs(ref_model, mb, args.temperature,
                                                             args.logprob_chunk_tokens, with_grad=False)
                         kl = k3_kl(logp, logp_ref)
-                    loss = aggregate(loss_tok + args.kl_coef * kl, mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens)
+                    pg_loss = aggregate(loss_tok, mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens)
+                    loss = pg_loss + args.kl_coef * kl_penalty(kl, mask, n_seqs)  # the authors' KL: beta / B per token
                 loss.backward()  # micro-batch losses sum to the minibatch loss (over ranks too: FSDP sums gradients)
-                policy_loss += aggregate(loss_tok.detach(), mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens).item()
+                policy_loss += pg_loss.item()
                 if critic is not None:  # value loss: 0.5 (V_t - R)^2 on every response state (the GAE lambda=1 target)
                     with autocast():
                         target = torch.tensor([batch["rewards"][i] for i in micro], device=device)[:, None]
@@ -655,16 +698,19 @@ if __name__ == "__main__":
                     tok[key].append(v.detach()[mask])
             # every response token of the minibatch (all ranks), flattened; sums over the ranks
             tok, policy_loss, value_loss, seen_tokens = merge_ranks(tok, policy_loss, value_loss, seen_tokens)
+            if update + 1 in args.debug_nonfinite_at:  # fault injection for tests: a NaN gradient
+                next(policy.parameters()).grad.fill_(float("nan"))
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            critic_norm = 0.0 if critic is None else torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
             # the version still advances (the lag clock); decided from all ranks' tokens: the same on every rank
             skip = ratio_guard_trips(tok["ratio"], args.ratio_guard)
             skipped_batches += int(skip)
-            if not skip:
+            if guard.check(update + 1, policy_loss=policy_loss, grad_norm=grad_norm, value_loss=value_loss,
+                           critic_grad_norm=critic_norm) and not skip:  # NaN/inf: no step (policy nor critic), counted
                 optimizer.step()
                 if critic is not None:
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
                     critic_optimizer.step()
-            update += 1  # the policy is now version `update`
+            update += 1  # the policy is now version `update` (with the previous weights if the step was skipped)
             train_time = time.time() - t0
             # ---- shared plumbing: weight sync to the engine (only versions a future batch is generated with)
             t1 = time.time()
@@ -705,6 +751,7 @@ if __name__ == "__main__":
                 "losses/ratio_mean": mean(tok["ratio"]),
                 "losses/ratio_max": tok["ratio"].max().item() if tok["ratio"].numel() else 1.0,
                 "losses/grad_norm": grad_norm.item(),
+                "losses/nonfinite_skips": guard.skips,
                 "async/staleness_mean": float(staleness),
                 "async/staleness_max": float(staleness),
                 "async/policy_version": update,
@@ -739,8 +786,16 @@ if __name__ == "__main__":
             print0(progress_line(update, args.total_updates, time.time() - start_time, metrics,
                                 ["charts/reward_mean", "eval/accuracy", "losses/clipfrac", "async/staleness_mean",
                                  "vineppo/value_mean", "vineppo/mc_time_frac", "charts/train_tokens_per_sec"]), flush=True)
-            if args.checkpoint_every > 0 and update % args.checkpoint_every == 0 and update < args.total_updates:
+            if update == args.debug_kill_at and not args.resume:  # fault injection for tests: the machine dies here
+                os.kill(os.getpid(), signal.SIGKILL)
+            if guard.exhausted:  # too many non-finite updates in a row: stop, with the last finite state saved
                 save(update)
+                raise SystemExit(guard.message(update, ckpt_path))
+            periodic = args.checkpoint_every > 0 and update % args.checkpoint_every == 0
+            safety = any(all_ranks(0 < 60 * args.checkpoint_minutes <= time.time() - saved_at))  # by wall-clock
+            if (periodic or safety) and update < args.total_updates:
+                save(update)
+                saved_at = time.time()
             if update == args.debug_interrupt_at:
                 interrupted.set()
             if any(all_ranks(interrupted.is_set())):  # Ctrl-C: every rank stops after this update

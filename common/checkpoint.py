@@ -1,5 +1,7 @@
-"""Checkpoints: one torch file per save, written atomically (a crash never leaves half a file)."""
+"""Checkpoints: one torch file per save, written atomically (a crash never leaves half a file), and the guard that
+keeps a non-finite loss or gradient out of the weights."""
 
+import math
 import os
 import random
 from pathlib import Path
@@ -20,12 +22,21 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(path: str | Path, state: dict) -> Path:
-    """torch.save ``state`` to ``path`` via a temporary file and an atomic rename."""
+    """torch.save ``state`` to ``path`` via a temporary file and an atomic rename. A failed write (disk full, no
+    permission) removes the temporary file, leaves an earlier checkpoint at ``path`` as it was, and ends the run
+    with a SystemExit that says so."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch's zip writer reports a failed open or write as a RuntimeError
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+        kept = f"the previous checkpoint {path} is intact" if path.is_file() else f"no earlier checkpoint is at {path}"
+        raise SystemExit(f"could not write the checkpoint {path}: {e}\n{kept}. Free disk space or make the folder "
+                         f"writable; --resume continues from the last checkpoint written.") from e
     return path
 
 
@@ -37,3 +48,37 @@ def load_checkpoint(path: str | Path) -> dict:
         raise SystemExit(f"--resume {path}: no checkpoint there; pass a checkpoint.pt or its run folder.")
     # memory-mapped: a trainer rank that needs only the settings and counters does not read the tensors
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+class NonFiniteGuard:
+    """Keeps NaN/inf out of the weights: ``check(update, name=value, ...)`` is False when any value (a loss, a
+    gradient norm) is not finite; the caller then skips that optimizer step, so weights and optimizer state stay
+    as they were. Counts the skips (``skips``, over the run; ``streak``, in a row), says each one on the console
+    through ``log``, and ``exhausted`` turns True after ``max_streak`` skips in a row (0: never)."""
+
+    def __init__(self, max_streak: int, skips: int = 0, log=print):
+        if max_streak < 0:
+            raise SystemExit(f"--max-nonfinite-skips must be >= 0 (0: never stop for them), got {max_streak}")
+        self.max_streak, self.skips, self.streak, self.log = max_streak, skips, 0, log
+
+    def check(self, update: int, **values) -> bool:
+        bad = {k: float(v) for k, v in values.items() if not math.isfinite(float(v))}
+        if not bad:
+            self.streak = 0
+            return True
+        self.skips, self.streak = self.skips + 1, self.streak + 1
+        self.log(f"update {update}: non-finite {', '.join(f'{k} {v}' for k, v in bad.items())}: optimizer step "
+                 f"skipped, weights and optimizer state unchanged ({self.streak} in a row, {self.skips} in the run)",
+                 flush=True)
+        return False
+
+    @property
+    def exhausted(self) -> bool:
+        return self.max_streak > 0 and self.streak >= self.max_streak
+
+    def message(self, update: int, ckpt_path: str | Path) -> str:
+        """Why the run stops, for the SystemExit raised after saving the last finite state."""
+        return (f"updates {update - self.streak + 1}-{update}: {self.streak} in a row had a non-finite loss or "
+                f"gradient norm (--max-nonfinite-skips {self.max_streak}); stopped. The weights and optimizer state "
+                f"are the last finite ones, saved in {ckpt_path}. Look for the cause (learning rate, bf16 overflow, "
+                f"the data) before resuming with --resume.")

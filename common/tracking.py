@@ -34,18 +34,26 @@ def progress_line(step: int, total: int, elapsed: float, metrics: dict, keys: li
 
 class Tracker:
     """Writes each ``log`` call as one JSON line (with ``global_step`` and ``time/elapsed``, wall-clock seconds since
-    the run started, carried on across a resume); mirrors to wandb when enabled."""
+    the run started, carried on across a resume); mirrors to wandb when enabled.
+
+    ``resume``: the update a resumed run continues from (its checkpoint's). The file keeps the rows up to it and
+    drops later ones (logged by a run killed after that checkpoint, and logged again now): one row per update."""
 
     def __init__(self, run_dir: str | Path, config: dict, track: bool = False, project: str = "asyncrl",
-                 run_name: str | None = None, resume: bool = False, enabled: bool = True):
+                 run_name: str | None = None, resume: int | None = None, enabled: bool = True):
         self.run_dir, self.enabled = Path(run_dir), enabled
         if not enabled:  # a trainer rank other than 0: logging is rank 0's
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
-        previous = read_metrics(path) if resume and path.exists() else []
-        self.offset = max((r.get("time/elapsed", 0.0) for r in previous), default=0.0)  # a resumed run's clock goes on
-        self.file = open(path, "a" if resume else "w")
+        lines = path.read_text().splitlines() if resume is not None and path.exists() else []
+        kept = [r for r in map(parse_row, lines) if r is not None and r.get("global_step", 0) <= resume]
+        if len(kept) < len(lines):  # rewritten atomically: a kill now leaves the old file or the new one
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, path)
+        self.offset = max((r.get("time/elapsed", 0.0) for r in kept), default=0.0)  # a resumed run's clock goes on
+        self.file = open(path, "a" if resume is not None else "w")
         with open(self.run_dir / "config.json", "w") as f:
             json.dump(config, f, indent=2, default=str)
         self.wandb = None
@@ -72,6 +80,14 @@ class Tracker:
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def parse_row(line: str) -> dict | None:
+    """One metrics.jsonl line as a dict; None for a blank line or one torn by a kill in the middle of a write."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except ValueError:
+        return None
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -11,14 +11,14 @@ import torch
 
 from common import models
 from common.batching import collate, pad_float, response_logprobs
-from common.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from common.engine import (HFEngine, inverse_cdf_sample, left_pad, position_ids_from_mask, sample, sampling_logprobs,
                            weight_payload)
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import (TEMPLATES, correctness_reward, encode_prompt, extract_hash_answer, extract_last_number,
                           load_benchmark, make_arithmetic_task, make_task, normalise_row, read_rows)
-from common.tracking import Tracker, format_duration, progress_line, read_metrics
+from common.tracking import Tracker, format_duration, parse_row, progress_line, read_metrics
 
 
 # ------------------------------------------------------------------ tasks and verifiers
@@ -380,11 +380,34 @@ def test_tracker_writes_jsonl_and_config(tmp_path):
     assert rows == [{"global_step": 1, "charts/reward_mean": 0.5, "async/policy_version": 1},
                     {"global_step": 2, "charts/reward_mean": 0.75}]
     assert json.loads((tmp_path / "run" / "config.json").read_text()) == {"lr": 1e-6}
-    tr = Tracker(tmp_path / "run", {}, resume=True)  # resume appends, and its clock carries on from the last row
+    tr = Tracker(tmp_path / "run", {}, resume=2)  # resume appends, and its clock carries on from the last row
     tr.log({"a": 1}, step=3)
     tr.close()
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 3 and rows[2]["time/elapsed"] >= elapsed[1]
+
+
+def test_tracker_resume_drops_rows_after_the_checkpoint(tmp_path):
+    """A run killed after its checkpoint at update 2 had logged updates 3 and 4 (the last line torn mid-write): the
+    resumed run keeps rows 0-2 and logs 3 and 4 again, one row per update."""
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps({"global_step": s, "time/elapsed": float(s)}) + "\n" for s in range(4))
+                    + '{"global_step": 4, "time/ela')
+    tr = Tracker(tmp_path / "run", {}, resume=2)
+    assert read_metrics(path) == [{"global_step": s, "time/elapsed": float(s)} for s in range(3)]  # rewritten at once
+    assert tr.offset == 2.0  # the clock goes on from the last kept row
+    tr.log({"a": 1}, step=3)
+    tr.log({"a": 2}, step=4)
+    tr.close()
+    assert [r["global_step"] for r in read_metrics(path)] == [0, 1, 2, 3, 4]
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_parse_row():
+    assert parse_row('{"global_step": 1, "x": NaN}')["global_step"] == 1
+    assert parse_row("") is None and parse_row("  ") is None
+    assert parse_row('{"global_step": 2, "x"') is None  # torn by a kill
 
 
 def test_tracker_wandb_offline(tmp_path, monkeypatch):
@@ -407,6 +430,42 @@ def test_checkpoint_roundtrip_and_rng(tmp_path):
     assert torch.equal(torch.rand(3), a)
     with pytest.raises(SystemExit, match="no checkpoint there"):
         load_checkpoint(tmp_path / "nothing")
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    path = save_checkpoint(tmp_path / "checkpoint.pt", {"update": 1})
+    real_save = torch.save
+
+    def disk_full(obj, f):  # writes half a file, then the disk is full
+        Path(f).write_bytes(b"PK\x03\x04 half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(SystemExit, match="No space left on device") as e:
+        save_checkpoint(path, {"update": 2})
+    assert "the previous checkpoint" in str(e.value) and "is intact" in str(e.value)
+    assert load_checkpoint(path)["update"] == 1 and not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(SystemExit, match="no earlier checkpoint"):  # a first save that fails says so
+        save_checkpoint(tmp_path / "other" / "checkpoint.pt", {"update": 1})
+    monkeypatch.setattr(torch, "save", real_save)
+
+
+def test_nonfinite_guard():
+    said = []
+    guard = NonFiniteGuard(3, log=lambda *a, **k: said.append(a[0]))
+    assert guard.check(1, loss=0.5, grad_norm=torch.tensor(2.0))
+    assert not guard.check(2, loss=float("nan"), grad_norm=torch.tensor(float("inf")))
+    assert said == ["update 2: non-finite loss nan, grad_norm inf: optimizer step skipped, weights and optimizer "
+                    "state unchanged (1 in a row, 1 in the run)"]
+    assert guard.check(3, loss=0.1) and guard.streak == 0 and guard.skips == 1  # a finite update ends the streak
+    assert not guard.check(4, loss=float("-inf")) and not guard.check(5, loss=float("nan")) and not guard.exhausted
+    assert not guard.check(6, loss=float("nan")) and guard.exhausted and guard.skips == 4
+    assert "updates 4-6: 3 in a row" in guard.message(6, "runs/x/checkpoint.pt")
+    resumed = NonFiniteGuard(0, skips=4, log=lambda *a, **k: None)  # 0: never ends the run; skips carry on
+    assert not any(resumed.check(v, loss=float("nan")) for v in range(10)) and not resumed.exhausted
+    assert resumed.skips == 14
+    with pytest.raises(SystemExit, match="--max-nonfinite-skips must be >= 0"):
+        NonFiniteGuard(-1)
 
 
 def _rss_mib() -> float:

@@ -235,6 +235,8 @@ def test_parameters_change_after_an_update(tiny_model_path, tmp_path):
     (["--prompts-per-batch", "3", "--group-size", "4", "--updates-per-batch", "5"], "cannot be split"),
     (["--staleness", "-1"], "--staleness must be >= 0"),
     (["--group-size", "1"], "--group-size must be >= 2"),
+    (["--checkpoint-minutes", "-1"], "--checkpoint-minutes must be >= 0"),
+    (["--max-nonfinite-skips", "-1"], "--max-nonfinite-skips must be >= 0"),
 ])
 def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
     args = ["--model", tiny_model_path, *FAST, *flags] if "--model" not in flags else [*FAST, *flags]

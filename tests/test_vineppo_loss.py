@@ -1,13 +1,16 @@
-"""vineppo.py's pure functions against hand-made examples: step splitting, MC values on a known tree of outcomes,
-step advantages, token spreading, whitening, GAE, the PPO clip and the ratio guard."""
+"""vineppo.py's pure functions against hand-made examples and against independent re-computations of the authors'
+code (McGill-NLP/VinePPO): step splitting, MC values on a known tree of outcomes, the step cap, unfinished
+responses, step advantages, token spreading, whitening, GAE, the PPO clip, the KL term and the ratio guard."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from vineppo import (clipped_surrogate, gae, k3_kl, mc_values, ratio_guard_trips, spread_to_tokens, step_advantages,
-                     step_starts, whiten)
+from vineppo import (UNFINISHED_REWARD, aggregate, clipped_surrogate, gae, k3_kl, kl_penalty, mc_state_starts,
+                     mc_values, ratio_guard_trips, spread_to_tokens, step_advantages, step_starts, trajectory_reward,
+                     whiten)
 
 
 # ---------------------------------------------------------------- step splitting (token space)
@@ -55,11 +58,12 @@ TREE = {  # prefix (response part) -> the completions a K=6 sample returns, in e
 
 
 def fake_generate(prefixes, n, max_new_tokens):
+    """(completion, truncated) pairs, as the engine returns them: cut at max_new_tokens, truncated if cut."""
     out = []
     for p in prefixes:
         comps = TREE[tuple(p[len(PROMPT):])]
         assert len(comps) == n
-        out += [c[:max_new_tokens] for c in comps]
+        out += [(c[:max_new_tokens], len(c) > max_new_tokens) for c in comps]
     return out
 
 
@@ -77,11 +81,23 @@ def test_mc_values_of_a_known_tree():
     assert V[(B, NL)] == pytest.approx(0.0)
 
 
-def test_completions_are_cut_to_the_trajectory_budget():
-    # from "a\n" with a total budget of 2 tokens only one token remains: "1" (no EOS) still scores 1
-    states = [(PROMPT + [A, NL], 1)]
-    V = mc_values(states, 6, fake_generate, lambda j, c: float(len(c) == 1 and c[0] == ONE))
-    assert V == pytest.approx([4 / 6])
+def test_unfinished_completions_score_the_unfinished_reward():
+    """The authors score an MC rollout that hit the length limit with the unfinished-response reward (0), not with
+    the verifier. From "a\n" the completions "1 EOS" / "2 EOS" take 2 tokens."""
+    reward = lambda j, c: float(c[0] == ONE)  # the verifier would say "1" is right, EOS or not
+    assert mc_values([(PROMPT + [A, NL], 2)], 6, fake_generate, reward) == pytest.approx([4 / 6])  # they fit
+    # a budget of 1 (the trajectory's own limit, with a longer-budget state in the same call): "1" is cut, unfinished
+    V = mc_values([(PROMPT + [A, NL], 1), (PROMPT, 4)], 6, fake_generate, lambda j, c: float(ONE in c))
+    assert V == pytest.approx([UNFINISHED_REWARD, 1 / 3])
+    # the engine's own truncation flag (a state at the longest budget) also makes a completion unfinished
+    cut = lambda prefixes, n, T: [([ONE], True)] * (n * len(prefixes))
+    assert mc_values([(PROMPT, 1)], 3, cut, lambda j, c: 1.0) == [UNFINISHED_REWARD]
+
+
+def test_truncated_trajectory_scores_the_unfinished_reward():
+    assert UNFINISHED_REWARD == 0.0  # the authors' configs: unfinished_response_penalty 0.0
+    assert trajectory_reward(1.0, truncated=True) == 0.0 and trajectory_reward(1.0, truncated=False) == 1.0
+    assert trajectory_reward(0.0, truncated=False) == 0.0
 
 
 def test_step_advantages_on_the_tree():
@@ -107,6 +123,45 @@ def test_states_beyond_the_cap_use_the_trajectory_return():
     expected = [0.0 + V[1] - V[0], 0.0 + V[2] - V[1], 0.0 + V[3] - V[2], R + V[4] - V[3]]
     assert adv == pytest.approx(expected)
     assert adv[2:] == [0.0, 0.0]  # the capped steps carry no signal
+
+
+def authors_step_advantages(n_steps: int, reward: float, mc_value, cap: int) -> list[float]:
+    """An independent re-computation of the authors' code (MathEpisodeGeneratorWithMCAdvantages): values has n + 1
+    slots (+1 for the query state); value index 0 and step index + 1 for every step index <= min(n - 2, cap - 1) get
+    an MC estimate; the terminal slot is 0 and the missing ones are filled from the end with
+    step_reward + next value; A_i = step_reward_i + V_{i+1} - V_i with step rewards 0 except the last = R."""
+    step_rewards = [0.0] * n_steps
+    step_rewards[-1] = reward
+    values = [None] * (n_steps + 1)
+    values[0] = mc_value(0)
+    for step_idx in range(n_steps):
+        if step_idx > min(n_steps - 2, cap - 1):
+            break
+        values[step_idx + 1] = mc_value(step_idx + 1)
+    values[-1] = 0.0
+    for i in range(n_steps - 1, -1, -1):
+        if values[i] is not None:
+            break
+        values[i] = step_rewards[i] + values[i + 1]
+    return [step_rewards[i] + values[i + 1] - values[i] for i in range(n_steps)]
+
+
+@pytest.mark.parametrize("n_steps", [1, 2, 25, 26, 27, 30, 40])
+@pytest.mark.parametrize("cap", [0, 1, 25])
+def test_step_cap_and_advantages_match_the_authors(n_steps, cap):
+    """--max-steps is the authors' cap: with 25, states s_0 .. s_25 (26 states) get MC values, so on a response of
+    >= 26 steps A_24 and A_25 use V(s_25)."""
+    mc_value = lambda i: round(0.1 + 0.8 * ((7 * i) % 11) / 10, 3)  # a distinct made-up estimate per state
+    starts = list(range(0, 3 * n_steps, 3))  # step i starts at response token 3i
+    estimated = mc_state_starts(starts, cap)
+    assert len(estimated) == min(n_steps, cap + 1)
+    values = [mc_value(starts.index(b)) for b in estimated]
+    for R in (0.0, 1.0):
+        assert step_advantages(values, R, n_steps) == pytest.approx(authors_step_advantages(n_steps, R, mc_value, cap))
+    if n_steps >= 26 and cap == 25:
+        adv = step_advantages(values, 1.0, n_steps)
+        assert adv[24] == pytest.approx(mc_value(25) - mc_value(24))  # V(s_25) is an MC estimate, not R
+        assert adv[25] == pytest.approx(1.0 - mc_value(25))
 
 
 def test_spread_to_tokens():
@@ -176,12 +231,50 @@ def test_clip_on_token_advantages():
     assert loss[0].tolist() == pytest.approx([-1.2, 1.5, -0.5, 0.8])
 
 
-def test_k3_is_nonnegative_and_clamped():
-    d = torch.tensor([-20.0, -1.0, 0.0, 1.0, 3.0])
-    kl = k3_kl(d, torch.zeros(5))
-    dc = d.clamp(-10, 10)
-    assert kl.tolist() == pytest.approx(torch.clamp(torch.exp(-dc) + dc - 1, 0, 10).tolist())
-    assert kl[2] == 0 and torch.all(kl >= 0) and kl.max() <= 10
+def test_k3_is_the_authors_clamped_control_variate():
+    """The authors: exp(ref - logp) - (ref - logp) - 1, clamped to [0, 10]; d = logp - ref is not clamped (10.5 gives
+    9.5 with gradient 1), and an extreme d gives a finite (zero) gradient."""
+    d = torch.tensor([-100.0, -20.0, -2.0, -1.0, 0.0, 1.0, 3.0, 10.5, 11.5, 100.0], dtype=torch.float64)
+    expected = np.clip(np.exp(-d.numpy()) + d.numpy() - 1, 0, 10)
+    logp = d.clone().requires_grad_(True)
+    kl = k3_kl(logp, torch.zeros_like(d))
+    assert kl.tolist() == pytest.approx(expected.tolist(), rel=1e-12)
+    assert kl[4] == 0 and torch.all(kl >= 0) and kl.max() <= 10
+    kl.sum().backward()
+    grad = np.where((expected > 0) & (expected < 10), 1 - np.exp(-d.numpy()), 0.0)
+    assert torch.isfinite(logp.grad).all() and logp.grad.tolist() == pytest.approx(grad.tolist(), abs=1e-12)
+
+
+def test_kl_term_is_beta_times_the_mean_over_sequences_of_the_summed_kl():
+    """The authors add beta * mean_b sum_t clamp(k3) to the token-mean PPO loss; computed micro-batch by micro-batch
+    with the minibatch's sequence count, the parts sum to it, and a token's KL gradient weighs beta / B."""
+    torch.manual_seed(0)
+    B, T, beta = 6, 5, 1e-4
+    lengths = [5, 3, 1, 4, 2, 5]
+    mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    logp = (torch.randn(B, T, dtype=torch.float64) - 1).requires_grad_(True)
+    ref = torch.randn(B, T, dtype=torch.float64) - 1
+    adv = torch.randn(B, T, dtype=torch.float64)
+    # independent: numpy, the whole minibatch at once
+    d, m = (logp - ref).detach().numpy(), mask.numpy()
+    kl_np = np.clip(np.exp(-d) + d - 1, 0, 10) * m
+    expected_kl = beta * kl_np.sum(1).mean()
+    pg = -adv.numpy() * 1.0  # on-policy: ratio 1, the loss per token is -A
+    expected = (pg * m).sum() / m.sum() + expected_kl
+    n_tokens = int(mask.sum())
+    total = 0.0
+    for sl in (slice(0, 2), slice(2, 6)):  # two micro-batches of the minibatch
+        loss_tok, _, _ = clipped_surrogate(logp[sl], logp[sl].detach(), adv[sl], 0.2)
+        loss = aggregate(loss_tok, mask[sl], "token-mean", None, B, n_tokens) \
+            + beta * kl_penalty(k3_kl(logp[sl], ref[sl]), mask[sl], B)
+        loss.backward()
+        total += loss.item()
+    assert total == pytest.approx(expected, rel=1e-10)
+    assert beta * kl_penalty(k3_kl(logp, ref), mask, B).item() == pytest.approx(expected_kl, rel=1e-10)
+    # d loss / d logp_t = -A_t / #tokens (PPO) + beta / B * d k3 / d logp_t (where k3 is not clamped)
+    dk3 = np.where((kl_np > 0) & (kl_np < 10), 1 - np.exp(-d), 0.0)
+    grad = (-adv.numpy() / n_tokens + beta / B * dk3) * m
+    assert logp.grad.numpy() == pytest.approx(grad, abs=1e-12)
 
 
 def test_ratio_guard():

@@ -40,10 +40,21 @@ def test_mc_smoke_logs_every_metric_and_counts_k_rollouts_per_state(tiny_model_p
         assert r["vineppo/mc_states"] >= 2  # at least the two prompt states (a group shares its prompt state)
         assert r["vineppo/steps_per_response"] >= 1 and 0 <= r["vineppo/nonzero_adv_frac"] <= 1
         assert 0 <= r["vineppo/value_mean"] <= 1 and r["vineppo/skipped_batches"] == 0
-    # with the cap at one state per response only the prompt states remain: one per prompt, K rollouts each
-    run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--max-steps", "1",
-               "--total-updates", "2", "--eval-every", "0", "--run-name", "cap1", cwd=tmp_path)
-    assert all(r["vineppo/mc_states"] == 2 and r["vineppo/mc_rollouts"] == 2 * K for r in train_rows(tmp_path, "cap1"))
+    # with the cap at 0 steps only the prompt states remain: one per prompt, K rollouts each
+    run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--max-steps", "0",
+               "--total-updates", "2", "--eval-every", "0", "--run-name", "cap0", cwd=tmp_path)
+    assert all(r["vineppo/mc_states"] == 2 and r["vineppo/mc_rollouts"] == 2 * K for r in train_rows(tmp_path, "cap0"))
+
+
+def test_truncated_trajectories_and_mc_rollouts_score_zero(tiny_model_path, tmp_path):
+    """With one new token a finished response or completion is EOS alone (empty text, reward 0) and any other is cut
+    at the limit: unfinished, reward 0 as in the authors' code, even where the verifier would accept "7"."""
+    run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--max-new-tokens", "1",
+               "--prompts-per-batch", "8", "--total-updates", "2", "--eval-every", "0", "--run-name", "cut",
+               cwd=tmp_path)  # the verifier alone scores 0.125 and 0.04 here: some cut answers are right
+    train = train_rows(tmp_path, "cut")
+    assert all(r["charts/reward_mean"] == 0 and r["vineppo/value_mean"] == 0 for r in train)
+    assert any(r["charts/truncated_frac"] > 0 for r in train)
 
 
 def test_critic_smoke_logs_value_loss_and_saves_the_critic(tiny_model_path, tmp_path):
@@ -112,7 +123,7 @@ def test_resume_reproduces_uninterrupted_run(tiny_model_path, tmp_path, estimato
 
 @pytest.mark.parametrize("flags,message", [
     (["--mc-samples", "0"], "--mc-samples"),
-    (["--max-steps", "0"], "--max-steps"),
+    (["--max-steps", "-1"], "--max-steps (the authors' GSM8K cap: 25) >= 0"),
     (["--ratio-guard", "0"], "--ratio-guard must be > 0"),
     (["--staleness", "-1"], "--staleness must be >= 0"),
     (["--value-estimator", "gae"], "value-estimator"),

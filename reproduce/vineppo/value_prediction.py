@@ -114,8 +114,8 @@ if __name__ == "__main__":
 
     # ---------------------------------------------------------------- truth and the MC estimate (same policy, fresh seeds)
     def rollout_values(K: int, seed: int) -> np.ndarray:
-        gen = lambda p, n, budget: [o["response"] for o in engine.generate(p, n=n, max_new_tokens=budget, seed=seed,
-                                                                           **sampling)]
+        gen = lambda p, n, budget: [(o["response"], o["truncated"])
+                                    for o in engine.generate(p, n=n, max_new_tokens=budget, seed=seed, **sampling)]
         score = lambda j, c: task.reward(tokenizer.decode(list(keys[j][1]) + c, skip_special_tokens=True),
                                          rows[keys[j][0]])
         return np.array(mc_values([(prompts[g] + list(r), T - len(r)) for g, r in keys], K, gen, score))
