@@ -5,7 +5,8 @@ eval set, a prompt template (text, and whether the chat template applies) and ``
 if the answer is correct, else 0.0 (an algorithm that defines rewards otherwise, e.g. DAPO's +1/-1, maps
 correctness itself).
 
-Training tasks (``--task``): ``arithmetic`` (procedural addition, the default), ``gsm8k``, ``math`` (MATH
+Training tasks (``--task``): ``arithmetic`` (procedural addition, the default), ``chain`` (procedural chained
+addition and subtraction worked one operation per line: multi-step answers of varied length), ``gsm8k``, ``math`` (MATH
 train), ``deepscaler`` (DeepScaleR-Preview) and ``dapo17k`` (DAPO-Math-17k). Eval benchmarks
 (``--eval-task``): ``gsm8k`` (test), ``math500``, ``aime24``, ``amc23``, ``minerva``, ``olympiadbench``.
 Each loads from its hub name (``datasets``) or from a local json / jsonl / parquet file or a folder with
@@ -15,7 +16,7 @@ last ``\\boxed{}`` of ``solution``) and strictly otherwise: a missing field or m
 naming the file and row.
 
 Prompt templates (``--prompt-template``), each with the verifier its paper used (common/verifiers.py):
-``number`` (arithmetic: last number), ``grpo`` ("####"), ``dapo`` ("Answer:" line), ``m2po`` (last
+``number`` (arithmetic: last number), ``chain`` (chain: one operation per line, then "####"), ``grpo`` ("####"), ``dapo`` ("Answer:" line), ``m2po`` (last
 ``\\boxed{}`` + math_verify), ``tba`` (raw text, last number), ``vineppo`` (raw text, "####").
 """
 
@@ -42,7 +43,7 @@ BENCHMARKS = {
     "minerva": ("math-ai/minervamath", None, "test"),
     "olympiadbench": ("math-ai/olympiadbench", None, "test"),
 }
-TASKS = ("arithmetic", *TRAIN_SETS)
+TASKS = ("arithmetic", "chain", *TRAIN_SETS)
 DEFAULT_EVAL = {"gsm8k": "gsm8k", "math": "math500", "deepscaler": "math500", "dapo17k": "math500"}
 
 _DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of the form "
@@ -51,6 +52,7 @@ _DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\".
 # name: (text with {question}, chat template?, verifier) -- the papers' prompts (algorithms.md sec. 7)
 TEMPLATES = {
     "number": ("{question} Reply with just the number.", True, "last_number"),
+    "chain": ("{question} One step per line, then #### result.", True, "hash"),
     "grpo": ("{question} Let's think step by step and output the final answer after \"####\".", True, "hash"),
     "dapo": (_DAPO_HEAD + "{question}" + _DAPO_TAIL, True, "answer_line"),
     "m2po": ("Please solve the following math problem: {question}. The assistant first thinks about the reasoning "
@@ -59,7 +61,7 @@ TEMPLATES = {
     "tba": ("[MATH TASK] Problem:\n{question}\n\nSolution:\n", False, "last_number"),
     "vineppo": ("[MATH_TASK] Problem:\n{question}\n\nSolution:", False, "hash"),
 }
-DEFAULT_TEMPLATE = {"arithmetic": "number", "gsm8k": "grpo", "math": "m2po", "deepscaler": "m2po", "dapo17k": "dapo"}
+DEFAULT_TEMPLATE = {"arithmetic": "number", "chain": "chain", "gsm8k": "grpo", "math": "m2po", "deepscaler": "m2po", "dapo17k": "dapo"}
 
 
 def correctness_reward(answer: str | None, gold: str) -> float:
@@ -127,6 +129,60 @@ def make_arithmetic_task(digits: int = 2, eval_size: int = 200, seed: int = 1, t
         return rows
 
     return _apply_template("arithmetic", eval_rows, train_rows, template, {"digits": digits, "eval_task": "arithmetic"})
+
+
+# ---------------------------------------------------------------- chain: multi-step arithmetic
+# Why this task: its solutions are several newline-separated steps that each depend on the one before, so one wrong
+# step makes the final answer wrong (step-level credit assignment has something to assign), and the number of
+# steps varies several-fold between problems (long tails for asynchrony and overlong shaping to act on), while the
+# problems stay procedural: unlimited, exactly checkable, and a held-out set that training never meets.
+CHAIN_OPS = (2, 12)  # operations per problem: n in [2, 12] with P(n) proportional to 1/n (median 4, mean 5.2)
+
+
+def chain_problem(rng: random.Random, digits: int) -> dict:
+    """A start value of ``digits + 1`` digits followed by n additions or subtractions of ``digits``-digit operands,
+    the running value kept within [0, 10^(digits+1) - 1]. ``solution`` works it one operation per line
+    ("37 + 8 = 45"), then "#### <result>"; ``answer`` is the result."""
+    top = 10 ** (digits + 1) - 1
+    ns = list(range(CHAIN_OPS[0], CHAIN_OPS[1] + 1))
+    n = rng.choices(ns, weights=[1 / k for k in ns])[0]
+    value = rng.randint(10**digits, top)
+    terms, lines = [str(value)], []
+    for _ in range(n):
+        b = rng.randint(10 ** (digits - 1) if digits > 1 else 1, 10**digits - 1)
+        add = value - b < 0 or (value + b <= top and rng.random() < 0.5)
+        new = value + b if add else value - b
+        terms.append(f"{'+' if add else '-'} {b}")
+        lines.append(f"{value} {'+' if add else '-'} {b} = {new}")
+        value = new
+    return {"question": f"{' '.join(terms)} = ?", "answer": str(value), "solution": "\n".join(lines + [f"#### {value}"]),
+            "steps": n}
+
+
+def make_chain_task(digits: int = 1, eval_size: int = 200, seed: int = 1, template: str = "chain") -> Task:
+    """Chained arithmetic (chain_problem) with a fixed held-out set of ``eval_size`` problems (the same for every
+    training seed) that the training stream never yields."""
+    if digits < 1:
+        raise SystemExit(f"--digits must be >= 1, got {digits}")
+    erng = random.Random(f"chain-eval-{digits}")
+    eval_rows, seen = [], set()
+    while len(eval_rows) < eval_size:
+        row = chain_problem(erng, digits)
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            eval_rows.append(row)
+
+    def train_rows(k: int, n: int) -> list[dict]:
+        rng = random.Random(f"chain-train-{seed}-{digits}-{k}")
+        rows = []
+        while len(rows) < n:
+            row = chain_problem(rng, digits)
+            if row["question"] not in seen:  # never train on a held-out problem
+                rows.append(row)
+        return rows
+
+    return _apply_template("chain", eval_rows, train_rows, template, {"digits": digits, "eval_task": "chain",
+                                                                      "ops": list(CHAIN_OPS)})
 
 
 # ---------------------------------------------------------------- datasets: reading rows
@@ -295,6 +351,11 @@ def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_
             raise SystemExit("--task arithmetic is generated: it takes no --data-path / --eval-data-path and "
                              "evaluates on its own held-out problems (leave --eval-task unset).")
         return make_arithmetic_task(digits, eval_size, seed, template)
+    if name == "chain":
+        if eval_task not in (None, "chain") or eval_data_path or data_path:
+            raise SystemExit("--task chain is generated: it takes no --data-path / --eval-data-path and evaluates on "
+                             "its own held-out problems (leave --eval-task unset).")
+        return make_chain_task(digits, eval_size, seed, template)
     eval_name = eval_task or DEFAULT_EVAL[name]
     if eval_name not in BENCHMARKS:
         raise SystemExit(f"--eval-task {eval_name!r} is unknown; choose one of {', '.join(BENCHMARKS)}.")

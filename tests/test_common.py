@@ -17,7 +17,7 @@ from common.engine import (HFEngine, inverse_cdf_sample, left_pad, position_ids_
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import (TEMPLATES, correctness_reward, encode_prompt, extract_hash_answer, extract_last_number,
-                          load_benchmark, make_arithmetic_task, make_task, normalise_row, read_rows)
+                          load_benchmark, make_arithmetic_task, make_chain_task, make_task, normalise_row, read_rows)
 from common.tracking import Tracker, format_duration, parse_row, progress_line, read_metrics
 
 
@@ -68,8 +68,60 @@ def test_arithmetic_difficulty_knob():
         make_arithmetic_task(digits=1, eval_size=80)
 
 
+def check_chain(row: dict, digits: int) -> list[int]:
+    """Recompute a chain problem from its question alone: every solution line, the result and the bounds."""
+    import re
+
+    terms = row["question"].removesuffix(" = ?").split(" ")
+    value, ops = int(terms[0]), list(zip(terms[1::2], map(int, terms[2::2])))
+    assert 10**digits <= value < 10 ** (digits + 1) and 2 <= len(ops) == row["steps"] <= 12
+    lines = row["solution"].split("\n")
+    values = [value]
+    for line, (op, b) in zip(lines, ops):
+        assert 10 ** (digits - 1) <= b < 10**digits and op in "+-"
+        new = value + b if op == "+" else value - b
+        assert line == f"{value} {op} {b} = {new}" and 0 <= new < 10 ** (digits + 1)
+        value = new
+        values.append(value)
+    assert lines[-1] == f"#### {value}" and row["answer"] == str(value) and len(lines) == len(ops) + 1
+    assert re.fullmatch(r"[0-9 +\-=?]+", row["question"])
+    return values
+
+
+def test_chain_task_works_each_problem_one_operation_per_line():
+    task = make_task("chain", digits=1, eval_size=300)
+    counts = [check_chain(r, 1) and r["steps"] for r in task.eval_rows + task.train_rows(0, 300)]
+    assert set(counts) == set(range(2, 13))  # every length occurs
+    assert counts.count(2) > counts.count(6) > counts.count(12)  # P(n) proportional to 1/n
+    assert 4.5 < sum(counts) / len(counts) < 6.0
+    row = task.eval_rows[0]
+    assert task.reward(row["solution"], row) == 1.0  # the reference solution is right
+    wrong = row["solution"].replace(f"#### {row['answer']}", f"#### {int(row['answer']) + 1}")
+    assert task.reward(wrong, row) == 0.0 and task.reward(row["answer"], row) == 0.0  # the "####" line counts
+    assert task.prompt(row) == f"{row['question']} One step per line, then #### result."
+    assert task.chat and task.info["verifier"] == "hash" and task.info["ops"] == [2, 12]
+
+
+def test_chain_task_is_seeded_held_out_and_has_a_difficulty_knob():
+    t1, t2 = make_chain_task(digits=1, eval_size=50, seed=3), make_chain_task(digits=1, eval_size=50, seed=3)
+    assert t1.train_rows(5, 8) == t2.train_rows(5, 8) and t1.train_rows(5, 8) != t1.train_rows(6, 8)
+    assert make_chain_task(1, 50, seed=4).train_rows(5, 8) != t1.train_rows(5, 8)
+    assert t1.eval_rows == make_chain_task(1, 50, seed=99).eval_rows  # fixed whatever the seed
+    assert t1.eval_rows == make_chain_task(1, 80).eval_rows[:50]  # a larger eval set extends a smaller one
+    held_out = {r["question"] for r in t1.eval_rows}
+    assert len(held_out) == 50
+    # short chains repeat often enough to collide; none reaches training
+    assert not any(r["question"] in held_out for k in range(300) for r in t1.train_rows(k, 16))
+    for row in make_chain_task(digits=3, eval_size=5).eval_rows:
+        check_chain(row, 3)
+    with pytest.raises(SystemExit, match="digits"):
+        make_chain_task(digits=0)
+    with pytest.raises(SystemExit, match="chain is generated"):
+        make_task("chain", data_path="x.jsonl")
+
+
 def test_unknown_task_is_a_clear_error():
-    with pytest.raises(SystemExit, match="unknown; choose one of arithmetic, gsm8k"):
+    with pytest.raises(SystemExit, match="unknown; choose one of arithmetic, chain, gsm8k"):
         make_task("chess")
 
 
@@ -518,7 +570,7 @@ def test_unknown_names_are_clear_errors():
         load_benchmark("mmlu")
     with pytest.raises(SystemExit, match="--eval-task 'mmlu' is unknown"):
         make_task("gsm8k", data_path=str(FIXTURES / "gsm8k"), eval_task="mmlu")
-    with pytest.raises(SystemExit, match="--prompt-template 'cot' is unknown; choose one of auto, number, grpo"):
+    with pytest.raises(SystemExit, match="--prompt-template 'cot' is unknown; choose one of auto, number, chain, grpo"):
         make_task("arithmetic", prompt_template="cot")
     with pytest.raises(SystemExit, match="arithmetic is generated"):
         make_task("arithmetic", eval_task="math500")
