@@ -41,6 +41,12 @@ class SweepArgs:
     """AdamW learning rate of every run"""
     parallel: int = 2
     """runs at a time (one thread each)"""
+    only: list[str] = field(default_factory=list)
+    """run and write only the runs whose labels include every one of these values, e.g. --only m2po 256 (one row
+    of a figure; the CSV then holds only those runs, so pass --out elsewhere); default: every run"""
+    any_start: bool = False
+    """run even when the starting policy's accuracies are outside START_BANDS (the figures' READMEs assume a start
+    inside them); a loud warning instead of an error"""
     work_dir: str = "runs/reproduce"
     """where the runs write (runs/<name>/metrics.jsonl, <name>.log); finished runs with the same flags are reused,
     also across figures"""
@@ -65,8 +71,20 @@ def toy_job(model: str, args: SweepArgs, algo: str, staleness: int, seed: int, l
                {**labels, "seed": seed})
 
 
+def select(jobs: list["Job"], only: list[str]) -> list["Job"]:
+    """The jobs whose label values (as text, seeds excluded) include every value in ``only`` (all jobs if empty);
+    an ``only`` that selects nothing is an error listing the labels there are."""
+    chosen = [j for j in jobs if set(only) <= {str(v) for k, v in j.labels.items() if k != "seed"}]
+    if not chosen:
+        labels = sorted({str(v) for j in jobs for k, v in j.labels.items() if k != "seed"})
+        raise SystemExit(f"--only {' '.join(only)}: no run of this figure has all of these labels; its labels are "
+                         f"{', '.join(labels)}")
+    return chosen
+
+
 def run_sweep(jobs: list["Job"], args: SweepArgs, keys: list[str], out: str | Path, bin_size: int = 8) -> None:
-    """Run the jobs (run_jobs), then write every run's metrics to the CSV ``out`` (collect)."""
+    """Run the jobs (run_jobs; those picked by --only), then write their metrics to the CSV ``out`` (collect)."""
+    jobs = select(jobs, args.only)
     seconds = run_jobs(jobs, args.work_dir, args.parallel)
     write_csv(collect(jobs, args.work_dir, keys, bin_size), out)
     print(f"wrote {out}: {len(jobs)} runs, {sum(seconds.values()) / 60:.1f} run-minutes "
@@ -74,14 +92,57 @@ def run_sweep(jobs: list["Job"], args: SweepArgs, keys: list[str], out: str | Pa
           f"{args.parallel})")
 
 
+# The starting policy every figure assumes, on the 500 held-out 2-digit additions: its greedy accuracy and the accuracy
+# of one sample per problem at temperature 0.7 (the reward rate RL starts from). These are the toy policy's default
+# bands (reproduce/toy/make_toy_policy.py --band, --sampled-band), which its builder trains into on any CPU.
+START_BANDS = {"greedy": (0.28, 0.38), "sampled": (0.22, 0.32)}
+
+
 def toy_policy(digits: int = 2) -> str:
-    """Folder of the toy policy (reproduce/toy/make_toy_policy.py, default settings), built on first use (~2 min)."""
+    """Folder of the toy policy (reproduce/toy/make_toy_policy.py, default settings), built on first use (~2-4 min)."""
     path = cache_root() / ("toy-arith" if digits == 2 else f"toy-arith-{digits}digit")
     if not (path / "toy_policy.json").exists():
-        print(f"[sweep] building the toy policy in {path} (once, about 2 minutes)", flush=True)
+        print(f"[sweep] building the toy policy in {path} (once, a few minutes)", flush=True)
         subprocess.run([sys.executable, str(ROOT / "reproduce" / "toy" / "make_toy_policy.py"), "--digits",
                         str(digits), "--out", str(path)], check=True)
     return str(path)
+
+
+def starting_accuracy(model: str, eval_size: int) -> dict:
+    """{greedy, sampled}: accuracy of ``model`` on the first ``eval_size`` held-out 2-digit additions, greedy and with
+    one sample per problem at temperature 0.7, scored as the toy policy's builder scores them (the scripts' sampler,
+    bf16 autocast, the task's reward)."""
+    sys.path.insert(0, str(ROOT / "reproduce" / "toy"))
+    from make_toy_policy import greedy_accuracy, sampled_accuracy
+
+    from common.models import load_model, load_tokenizer, resolve_model
+    from common.tasks import make_task
+
+    path = resolve_model(model)
+    policy, tokenizer, task = load_model(path), load_tokenizer(path), make_task("arithmetic", eval_size=eval_size)
+    return {"greedy": greedy_accuracy(policy, tokenizer, task), "sampled": sampled_accuracy(policy, tokenizer, task, 16,
+                                                                                            0.7)}
+
+
+def start_policy(args: SweepArgs) -> str:
+    """The policy every run of a figure starts from (--model, else the toy policy), after checking its accuracies
+    against START_BANDS: a start outside them (a toy policy built by an older builder, another model) is an error,
+    or with --any-start a loud warning."""
+    model = args.model or toy_policy()
+    scores = starting_accuracy(model, args.eval_size)
+    measured = (f"greedy accuracy {scores['greedy']:.3f} and sampled accuracy {scores['sampled']:.3f} (temperature "
+                f"0.7) on {args.eval_size} held-out problems")
+    bands = ", ".join(f"{k} [{low}, {high}]" for k, (low, high) in START_BANDS.items())
+    if all(low <= scores[k] <= high for k, (low, high) in START_BANDS.items()):
+        print(f"[sweep] starting policy {model}: {measured}, inside the figures' bands ({bands})", flush=True)
+        return model
+    message = f"the starting policy {model} has {measured}, outside the bands the figures assume ({bands})"
+    if not args.any_start:
+        raise SystemExit(f"{message}. Rebuild the toy policy (python reproduce/toy/make_toy_policy.py, which trains "
+                         f"into those bands), or pass --any-start to run anyway.")
+    print(f"[sweep] WARNING: {message}; running anyway (--any-start): the figures' READMEs do not describe such a "
+          f"start.", flush=True)
+    return model
 
 
 @dataclass

@@ -82,7 +82,8 @@ def run_script(script: str, *flags: str, cwd, timeout: int = 240, check: bool = 
 
 
 TOY_SCRIPT = "../reproduce/toy/make_toy_policy.py"  # run_script resolves it against algorithms/
-TOY_TINY = ["--steps", "3", "--batch-size", "8", "--hidden-size", "64", "--num-layers", "1", "--num-heads", "2",
+TOY_TINY = ["--max-steps", "3", "--check-every", "3", "--band", "0", "1", "--sampled-band", "0", "1",
+            "--batch-size", "8", "--hidden-size", "64", "--num-layers", "1", "--num-heads", "2",
             "--num-kv-heads", "1", "--intermediate-size", "64", "--eval-size", "8", "--eval-max-new-tokens", "6"]
 
 

@@ -114,8 +114,14 @@ def test_tiny_side_by_side_run_writes_a_csv_the_plot_reads(toy_path, tmp_path):
     cmd = [sys.executable, str(ROOT / "reproduce" / "side_by_side" / "run.py"), "--model", str(toy_path), "--algos",
            "grpo", "tba", "--staleness", "0", "4", "--seeds", "1", "--updates", "4", "--eval-every", "2",
            "--eval-size", "8", "--work-dir", str(work), "--out", str(csv_path)]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # a 1-digit policy: 0% on 2 digits
+    assert refused.returncode != 0 and "outside the bands the figures assume (greedy [0.28, 0.38], sampled [0.22, " \
+        "0.32])" in refused.stderr, refused.stderr[-2000:]
+    assert "--any-start" in refused.stderr and not work.exists()  # refused before any run
+    cmd.append("--any-start")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "WARNING: the starting policy" in proc.stdout and "greedy accuracy 0.000 and sampled" in proc.stdout
     rows = sweep.read_csv(csv_path)
     for algo in ("grpo", "tba"):
         for s in (0, 4):
@@ -132,6 +138,32 @@ def test_tiny_side_by_side_run_writes_a_csv_the_plot_reads(toy_path, tmp_path):
                            str(csv_path), "--png", str(png)], capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr[-3000:]
     assert png.exists() and "| grpo |" in plot.stdout and "| tba |" in plot.stdout
+
+
+def test_only_selects_the_runs_with_every_label():
+    jobs = [sweep.Job(f"{a}_s{s}_seed{seed}", a, [], {"algo": a, "staleness": s, "seed": seed})
+            for a in ("grpo", "m2po") for s in (0, 256) for seed in (1, 2)]
+    assert sweep.select(jobs, []) == jobs
+    assert [j.name for j in sweep.select(jobs, ["m2po", "256"])] == ["m2po_s256_seed1", "m2po_s256_seed2"]
+    assert len(sweep.select(jobs, ["0"])) == 4  # label values, not seeds
+    with pytest.raises(SystemExit, match="no run of this figure has all of these labels; its labels are 0, 256, grpo"):
+        sweep.select(jobs, ["m2po", "16"])
+
+
+def test_start_policy_checks_the_bands(monkeypatch, capsys):
+    measured = []
+    monkeypatch.setattr(sweep, "starting_accuracy", lambda model, n: measured.append((model, n)) or scores)
+    args = sweep.SweepArgs(model="M", eval_size=500)
+    (g_low, g_high), (s_low, s_high) = sweep.START_BANDS["greedy"], sweep.START_BANDS["sampled"]
+    for scores in ({"greedy": g_low, "sampled": s_low}, {"greedy": g_high, "sampled": s_high}):  # inclusive
+        assert sweep.start_policy(args) == "M"
+    assert measured == [("M", 500)] * 2 and "inside the figures' bands" in capsys.readouterr().out
+    for scores in ({"greedy": 0.095, "sampled": 0.25}, {"greedy": 0.33, "sampled": 0.17}, {"greedy": 0.5, "sampled": 0.4}):
+        with pytest.raises(SystemExit, match=rf"greedy accuracy {scores['greedy']:.3f} and sampled accuracy "
+                                             rf"{scores['sampled']:.3f} .* on 500 held-out problems, outside"):
+            sweep.start_policy(args)
+        assert sweep.start_policy(sweep.SweepArgs(model="M", any_start=True)) == "M"
+        assert "WARNING" in capsys.readouterr().out
 
 
 def test_run_means_averages_each_seed_over_its_rows():

@@ -60,7 +60,23 @@ def test_tiny_build_loads_and_records_its_warm_start(toy_path):
     assert model.get_input_embeddings().weight.shape[0] == len(tok)
     manifest = json.loads((toy_path / "toy_policy.json").read_text())
     assert manifest["steps"] == 3 and manifest["digits"] == 1 and manifest["eval_size"] == 8
+    assert manifest["band"] == manifest["sampled_band"] == [0.0, 1.0]
+    assert manifest["checks"] == [{"step": 3, "greedy": manifest["eval_accuracy"], "sampled": manifest["sampled_accuracy"]}]
     assert 0.0 <= manifest["eval_accuracy"] <= 1.0 and manifest["warm_start_seconds"] >= 0
+
+
+def test_tiny_chain_build_records_what_rl_will_meet(tmp_path):
+    run_script(SCRIPT, "--task", "chain", "--out", str(tmp_path / "chain"), *TINY, "--eval-max-new-tokens", "24",
+               "--stats-prompts", "4", "--stats-samples", "2", cwd=tmp_path, timeout=300)
+    manifest = json.loads((tmp_path / "chain" / "toy_policy.json").read_text())
+    assert manifest["task"] == "chain" and manifest["digits"] == 1 and manifest["steps"] == 3
+    rollouts = manifest["rollouts"]
+    assert rollouts["samples"] == 8 and rollouts["max_new_tokens"] == 24 and 0 <= rollouts["truncated_frac"] <= 1
+    assert 1 <= rollouts["tokens_median"] <= rollouts["tokens_p95"] <= 24 and rollouts["steps_mean"] >= 0
+    assert manifest["update_seconds"]["seconds_per_update"] > 0
+    errors = manifest["greedy_errors"]
+    assert errors["of"] == 8 and sum(errors["first_wrong_step"].values()) == errors["wrong"]
+    assert load_model(resolve_model(str(tmp_path / "chain"))).config.max_position_embeddings == 384
 
 
 def test_grpo_runs_on_the_toy_policy(toy_path, tmp_path):
@@ -72,8 +88,88 @@ def test_grpo_runs_on_the_toy_policy(toy_path, tmp_path):
     assert "eval/accuracy" in rows[-1]
 
 
+def test_steps_first_wrong_step_and_percentile():
+    toy = load_toy()
+    solution = "37 + 8 = 45\n45 - 5 = 40\n#### 40"
+    assert toy.steps_of(solution + "\n\n") == ["37 + 8 = 45", "45 - 5 = 40", "#### 40"]
+    assert toy.first_wrong_step(solution, solution) == 0
+    assert toy.first_wrong_step("37 + 8 = 44\n44 - 5 = 39\n#### 39", solution) == 1
+    assert toy.first_wrong_step("37 + 8 = 45\n45 - 5 = 41\n#### 41", solution) == 2
+    assert toy.first_wrong_step("37 + 8 = 45\n45 - 5 = 40", solution) == 3  # stopped before the answer
+    assert toy.first_wrong_step(solution + "\n40 + 1 = 41", solution) == 4  # went on past it
+    assert toy.first_wrong_step("45", "45") == 0 and toy.first_wrong_step("46", "45") == 1  # arithmetic: one step
+    assert toy.target({"answer": "45"}) == "45" and toy.target({"answer": "40", "solution": solution}) == solution
+    values = list(range(1, 101))
+    assert (toy.percentile(values, 0.5), toy.percentile(values, 0.95), toy.percentile(values, 1.0)) == (50, 95, 100)
+    assert toy.percentile([7], 0.95) == 7
+
+
+class Counter:
+    """A stand-in for the warm start: the model is one number (the steps it has taken), the accuracy a table of it."""
+
+    def __init__(self, table):
+        import torch
+
+        self.model = torch.nn.Linear(1, 1, bias=False)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.table = table
+        with torch.no_grad():
+            self.model.weight.zero_()
+
+    def train_step(self, step):
+        import torch
+
+        assert step == self.taken()  # the replay starts from the restored state, at the step after it
+        with torch.no_grad():
+            self.model.weight += 1
+
+    def taken(self):
+        return int(round(self.model.weight.item()))
+
+    def accuracy(self):
+        return self.table(self.taken())
+
+
+BAND = {"greedy": (0.28, 0.38)}
+
+
+def test_train_into_band_stops_at_the_first_check_inside_the_band():
+    c = Counter(lambda n: {"greedy": n / 100})
+    steps, scores, checks = load_toy().train_into_band(c.model, c.optimizer, c.train_step, c.accuracy, BAND, 100, 10)
+    assert (steps, scores, c.taken()) == (30, {"greedy": 0.30}, 30)
+    assert checks == [{"step": s, "greedy": s / 100} for s in (10, 20, 30)]
+
+
+def test_train_into_band_needs_every_band_at_the_same_check():
+    c = Counter(lambda n: {"greedy": n / 100, "sampled": n / 200})  # sampled enters [0.22, 0.32] at step 44
+    bands = {"greedy": (0.28, 0.50), "sampled": (0.22, 0.32)}
+    steps, scores, _ = load_toy().train_into_band(c.model, c.optimizer, c.train_step, c.accuracy, bands, 100, 10)
+    assert (steps, c.taken()) == (50, 50) and scores == {"greedy": 0.5, "sampled": 0.25}
+
+
+def test_train_into_band_replays_step_by_step_after_a_check_jumps_over_the_band():
+    c = Counter(lambda n: {"greedy": 0.1 if n < 27 else 0.3 if n < 29 else 0.6})
+    steps, scores, checks = load_toy().train_into_band(c.model, c.optimizer, c.train_step, c.accuracy, BAND, 100, 10)
+    assert (steps, scores, c.taken()) == (27, {"greedy": 0.3}, 27)  # weights and optimizer back to step 20, then 7
+    assert [x["step"] for x in checks] == [10, 20, 30, 21, 22, 23, 24, 25, 26, 27]
+
+
+def test_train_into_band_fails_clearly_when_it_never_lands():
+    toy = load_toy()
+    never = Counter(lambda n: {"greedy": 0.1})
+    with pytest.raises(SystemExit, match=r"never landed in its bands \(greedy in \[0.28, 0.38\]\) within --max-steps 25"
+                                         r".*step 25: greedy 0.100"):
+        toy.train_into_band(never.model, never.optimizer, never.train_step, never.accuracy, BAND, 25, 10)
+    assert never.taken() == 25  # the cap is checked too, though not a multiple of --check-every
+    jumps = Counter(lambda n: {"greedy": 0.1 if n < 25 else 0.9})  # over the band within one step: no replay lands
+    with pytest.raises(SystemExit, match="never landed"):
+        toy.train_into_band(jumps.model, jumps.optimizer, jumps.train_step, jumps.accuracy, BAND, 60, 10)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--digits", "0"], "--digits must be >= 1"),
+    (["--band", "0.4", "0.3"], "--band 0.4 0.3: give LOW HIGH"),
+    (["--sampled-band", "0.2", "1.5"], "--sampled-band 0.2 1.5: give LOW HIGH"),
     (["--hidden-size", "64", "--num-heads", "3"], "divisible"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, flags, message):

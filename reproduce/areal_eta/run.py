@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, collect, run_jobs, toy_job, toy_policy, write_csv
+from sweep import Job, SweepArgs, collect, run_jobs, select, start_policy, toy_job, write_csv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = ["eval/accuracy", "charts/reward_mean", "losses/clipfrac", "losses/entropy", "losses/behav_capped_frac",
@@ -53,7 +53,10 @@ def jobs(args: Args, model: str) -> tuple[list[Job], list[Job]]:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    accuracy, throughput = jobs(args, args.model or toy_policy())
+    accuracy, throughput = jobs(args, start_policy(args))
+    if args.only:  # one row (or part) of the figure
+        picked = {j.name for j in select(accuracy + throughput, args.only)}
+        accuracy, throughput = [j for j in accuracy if j.name in picked], [j for j in throughput if j.name in picked]
     seconds = run_jobs(accuracy, args.work_dir, args.parallel)
     seconds.update(run_jobs(throughput, args.work_dir, parallel=1))
     write_csv(collect(accuracy, args.work_dir, KEYS, bin_size=8) + collect(throughput, args.work_dir, KEYS), args.out)

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, run_sweep, toy_job, toy_policy
+from sweep import Job, SweepArgs, run_sweep, start_policy, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # configuration label -> (script, staleness, extra flags, run-name tag)
@@ -45,4 +45,4 @@ def jobs(args: Args, model: str) -> list[Job]:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    run_sweep(jobs(args, args.model or toy_policy()), args, KEYS, args.out)
+    run_sweep(jobs(args, start_policy(args)), args, KEYS, args.out)

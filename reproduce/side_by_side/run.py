@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, run_sweep, toy_job, toy_policy
+from sweep import Job, SweepArgs, run_sweep, start_policy, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "tba", "vineppo"]
@@ -46,4 +46,4 @@ if __name__ == "__main__":
     unknown = sorted(set(args.algos) - set(ALGOS))
     if unknown:
         raise SystemExit(f"unknown --algos {unknown}; choose from {ALGOS}")
-    run_sweep(jobs(args, args.model or toy_policy()), args, KEYS, args.out)
+    run_sweep(jobs(args, start_policy(args)), args, KEYS, args.out)

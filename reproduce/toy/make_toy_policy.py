@@ -1,5 +1,6 @@
-"""Build a toy policy for the arithmetic task: a ~1M-parameter Llama with a character-level tokenizer, warm-started
-by a short supervised phase so that RL has signal (greedy accuracy well above 0, far below 1).
+"""Build a toy policy: a ~1M-parameter Llama with a character-level tokenizer, warm-started by a short supervised
+phase so that RL has signal (accuracy well above 0, far below 1), on the arithmetic task (2-digit addition,
+answered with the number) or the chain task (chained addition and subtraction, worked one operation per line).
 
     python reproduce/toy/make_toy_policy.py                # -> ~/.cache/asyncrl/toy-arith (see common.models.cache_root)
     python algorithms/grpo.py --model ~/.cache/asyncrl/toy-arith
@@ -8,27 +9,34 @@ The tokenizer has one token per printable ASCII character (and newline) plus the
 <unk>, <|system|>, <|user|>, <|assistant|>; its chat template renders a user turn as
 ``<s><|user|>{text}<|assistant|>`` and an assistant turn as ``{text}</s>``, so the model answers "<sum></s>".
 The warm start trains on the task's training stream (``task.train_rows``, which never yields a held-out problem)
-with the loss on the answer tokens only, for a fixed number of AdamW steps, then scores greedy decoding on the
-task's held-out eval set exactly as the algorithm scripts do (``common.engine.sample``, bf16 autocast, the task's
-reward). The folder gets the model, the tokenizer and ``toy_policy.json`` (steps, seconds, eval accuracy, config).
+with the loss on the target tokens only (the answer, or the worked solution), AdamW, and scores the task's held-out
+eval set as the algorithm scripts do (``common.engine.sample``, bf16 autocast, the task's reward).
 
-Measured with the defaults (--digits 2, 600 steps of 64, lr 3e-3, seed 1; torch 2.13 CPU, 2 threads, 2-core
-machine, CPU otherwise idle): warm start 98.6 s, greedy accuracy 0.38 on the 200 held-out problems (with another
-job on the cores the same run took 205 s; the result is identical, the run is deterministic). One grpo.py update on
-it (8 prompts x 8 samples) takes about 0.03-0.05 s of rollout and 0.1-0.15 s of training.
-Accuracy along the same run (--eval-every 100): 0.01 / 0.03 / 0.03 / 0.045 / 0.11 / 0.38 at steps 100..600, and
-0.14 at step 575: the jump is steep, so a different --steps or torch build can land well off the band; a longer
-run reaches ~0.5 at step 800 and then becomes unstable at this learning rate (0.40 at 900, 0.04 at 1100).
+Where it stops is chosen by what RL will start from, not by a step count: the warm start learns addition in a
+steep jump whose position depends on the CPU's floating-point kernels (the same seed and settings pass 38% greedy
+accuracy by step 600 on one CPU and are at 9.5% there on another), so a fixed step count lands far off on some
+machines. Every --check-every steps it measures the greedy accuracy and the accuracy of one sample per problem at
+--temperature (the reward rate RL starts from) on the held-out problems, and stops at the first check with both
+inside their bands (--band, --sampled-band). If a check jumps over a band, the weights and optimizer state go back
+to the previous check and those steps are replayed with a check after each (training is deterministic, so the
+replay repeats them). No landing by --max-steps is an error. Then it measures what RL will meet: rollouts at the
+figures' temperature and budget (steps per response, length median and 95th percentile, truncated fraction), the
+seconds of one rollout batch and its updates, and at which step greedy answers first go wrong. The folder gets the
+model, the tokenizer and ``toy_policy.json`` with all of it (the step it stopped at, every check, the bands, the
+config, the machine). Measurements: reproduce/toy/README.md.
 """
 
+import copy
 import json
+import math
 import os
 import platform
 import shutil
 import string
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -50,18 +58,36 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role
                  "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MANIFEST = "toy_policy.json"
+# per task: operand digits, greedy- and sampled-accuracy bands, steps between checks, positions, generation budget, folder name
+TASK_DEFAULTS = {
+    "arithmetic": {"digits": 2, "band": (0.28, 0.38), "sampled_band": (0.22, 0.32), "check_every": 10, "max_position_embeddings": 256,
+                   "eval_max_new_tokens": 16, "name": "toy-arith"},
+    "chain": {"digits": 1, "band": (0.25, 0.35), "sampled_band": (0.15, 0.35), "check_every": 25, "max_position_embeddings": 384,
+              "eval_max_new_tokens": 128, "name": "toy-chain"},
+}
 
 
 @dataclass
 class Args:
+    task: Literal["arithmetic", "chain"] = "arithmetic"
+    """what the policy learns: 2-digit addition answered with the number (arithmetic), or chained addition and
+    subtraction worked one operation per line (chain); the defaults marked 'per task' follow TASK_DEFAULTS"""
     out: str | None = None
-    """output folder (default: <cache root>/toy-arith for --digits 2, toy-arith-<d>digit otherwise; cache root as in
-    common/models.py: $ASYNCRL_CACHE, else $XDG_CACHE_HOME/asyncrl, else ~/.cache/asyncrl)"""
-    digits: int = 2
-    """digits per operand of the arithmetic problems trained and scored on (the scripts' --digits)"""
-    steps: int = 600
-    """supervised warm-start steps (AdamW); the default lands in the 20-40% greedy-accuracy band on --digits 2
-    (measured: 0.38; module docstring)"""
+    """output folder (default: <cache root>/toy-arith or toy-chain, with -<d>digit for a non-default --digits; cache
+    root as in common/models.py: $ASYNCRL_CACHE, else $XDG_CACHE_HOME/asyncrl, else ~/.cache/asyncrl)"""
+    digits: int | None = None
+    """digits per operand of the problems trained and scored on (the scripts' --digits; per task: 2 / 1)"""
+    band: tuple[float, float] | None = None
+    """greedy held-out accuracy the warm start must land in (LOW HIGH): training stops at the first check inside it;
+    the reproduce/ figures assume the default band (per task: 0.28 0.38 / 0.25 0.35)"""
+    sampled_band: tuple[float, float] | None = None
+    """accuracy of one sample per held-out problem at --temperature (the reward rate RL starts from) that must hold at
+    the same check (LOW HIGH; per task: 0.22 0.32 / 0.15 0.35)"""
+    max_steps: int = 3000
+    """step cap: a warm start with no check inside --band and --sampled-band by then is an error"""
+    check_every: int | None = None
+    """supervised steps between held-out accuracy checks (a check above a band replays those steps with a check
+    after each; per task: 10 / 25)"""
     batch_size: int = 64
     """problems per supervised step"""
     learning_rate: float = 3e-3
@@ -82,14 +108,20 @@ class Args:
     """key/value heads (grouped-query attention when fewer than num_heads)"""
     intermediate_size: int = 512
     """MLP width"""
-    max_position_embeddings: int = 256
-    """longest sequence the model takes (prompt + response)"""
-    eval_size: int = 200
-    """held-out problems scored after the warm start (the scripts' --eval-size)"""
-    eval_max_new_tokens: int = 16
-    """greedy generation budget of that evaluation (grpo.py's default --max-new-tokens)"""
-    eval_every: int = 0
-    """also score the held-out set every N steps while training (0: only at the end)"""
+    max_position_embeddings: int | None = None
+    """longest sequence the model takes (prompt + response; per task: 256 / 384)"""
+    eval_size: int = 500
+    """held-out problems of the accuracy checks (the reproduce/ figures' --eval-size: their update-0 evaluation
+    scores the same problems)"""
+    eval_max_new_tokens: int | None = None
+    """generation budget of the evaluation and of the rollout statistics: the --max-new-tokens the figures use
+    (per task: 16, grpo.py's default / 128)"""
+    temperature: float = 0.7
+    """sampling temperature of --sampled-band and the rollout statistics (the scripts' default)"""
+    stats_prompts: int = 64
+    """held-out prompts sampled --stats-samples times each for the rollout statistics"""
+    stats_samples: int = 8
+    """samples per prompt for the rollout statistics (the figures' group size)"""
     seed: int = 1
     """seed of the initialisation and of the training stream"""
     overwrite: bool = True
@@ -143,10 +175,16 @@ def build_model(config, seed: int):
     return model
 
 
+def target(row: dict) -> str:
+    """What the warm start teaches for a problem: the worked solution where the task has one (chain), else the
+    answer."""
+    return row.get("solution", row["answer"])
+
+
 def supervised_batch(task, tokenizer, rows: list[dict]) -> dict:
-    """[chat prompt | "<sum></s>"] tensors of ``rows`` (``common.batching.collate``), the loss goes on the answer."""
+    """[chat prompt | target + "</s>"] tensors of ``rows`` (``common.batching.collate``), the loss on the target."""
     prompts = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in rows]
-    answers = [tokenizer(r["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
+    answers = [tokenizer(target(r), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
     return collate(prompts, answers, tokenizer.pad_token_id)
 
 
@@ -162,8 +200,9 @@ def supervised_step(model, optimizer, batch: dict, max_grad_norm: float = 1.0) -
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 16, batch_size: int = 64) -> float:
-    """Greedy accuracy on ``task.eval_rows``, scored as the algorithm scripts' evaluation (bf16 autocast)."""
+def greedy_texts(model, tokenizer, task, max_new_tokens: int = 16, batch_size: int = 64) -> list[str]:
+    """Greedy responses to ``task.eval_rows``, decoded as the algorithm scripts' evaluation decodes them (the same
+    sampler, bf16 autocast)."""
     was_training = model.training
     model.eval()
     prompts = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in task.eval_rows]
@@ -172,14 +211,133 @@ def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 16, batch_size
         r, _, _ = sample(model, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
                          eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id, greedy=True)
         responses += r
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     model.train(was_training)
+    return tokenizer.batch_decode(responses, skip_special_tokens=True)
+
+
+def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 16, batch_size: int = 64) -> float:
+    """Greedy accuracy on ``task.eval_rows``, scored as the algorithm scripts' evaluation (bf16 autocast)."""
+    texts = greedy_texts(model, tokenizer, task, max_new_tokens, batch_size)
     return float(np.mean([task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows)]))
 
 
-def default_out(digits: int) -> str:
-    """<cache root>/toy-arith (2 digits) or <cache root>/toy-arith-<d>digit."""
-    return str(cache_root() / ("toy-arith" if digits == 2 else f"toy-arith-{digits}digit"))
+@torch.no_grad()
+def sampled_accuracy(model, tokenizer, task, max_new_tokens: int, temperature: float, seed: int = 1,
+                     batch_size: int = 64) -> float:
+    """Accuracy of one sample per held-out problem at ``temperature`` (the sampler seeded with ``seed``, the same
+    whatever the policy's seed): the reward rate RL starts from."""
+    was_training = model.training
+    model.eval()
+    prompts = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in task.eval_rows]
+    generator, responses = torch.Generator().manual_seed(seed), []
+    for i in range(0, len(prompts), batch_size):
+        r, _, _ = sample(model, prompts[i:i + batch_size], max_new_tokens=max_new_tokens, temperature=temperature,
+                         eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id, generator=generator)
+        responses += r
+    model.train(was_training)
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return float(np.mean([task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows)]))
+
+
+def steps_of(text: str) -> list[str]:
+    """The non-empty lines of a response: its reasoning steps (the "#### result" line is the last one)."""
+    return [line.strip() for line in text.split("\n") if line.strip()]
+
+
+def first_wrong_step(text: str, solution: str) -> int:
+    """1-based index of the first step of ``text`` that differs from the reference ``solution``'s step (a response
+    that stops early is wrong at the step after its last one); 0 if every step matches."""
+    mine, ref = steps_of(text), steps_of(solution)
+    for i, line in enumerate(ref):
+        if i >= len(mine) or mine[i] != line:
+            return i + 1
+    return 0 if len(mine) == len(ref) else len(ref) + 1
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))])
+
+
+@torch.no_grad()
+def rollout_stats(model, tokenizer, task, prompts: int, samples: int, max_new_tokens: int, temperature: float,
+                  seed: int) -> dict:
+    """What RL will see from this policy: ``samples`` responses to each of the first ``prompts`` held-out problems
+    at ``temperature`` and the figures' budget: steps (non-empty lines) per response, response tokens (median,
+    95th percentile and their ratio), the fraction that hit the budget, and the sampled accuracy; plus the
+    seconds of that generation (one rollout batch of the figures' shape when prompts x samples = 16 x 8)."""
+    model.eval()
+    rows = task.eval_rows[:prompts]
+    encoded = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in rows]
+    t0 = time.perf_counter()
+    responses, _, truncated = sample(model, encoded, max_new_tokens=max_new_tokens, eos_ids=[tokenizer.eos_token_id],
+                                     pad_id=tokenizer.pad_token_id, temperature=temperature, n=samples,
+                                     generator=torch.Generator().manual_seed(seed))
+    seconds = time.perf_counter() - t0
+    model.train()
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    golds = [r for r in rows for _ in range(samples)]
+    lengths = [len(r) for r in responses]
+    median = percentile(lengths, 0.5)
+    return {"samples": len(texts), "temperature": temperature, "max_new_tokens": max_new_tokens,
+            "steps_mean": float(np.mean([len(steps_of(t)) for t in texts])), "tokens_median": median,
+            "tokens_p95": percentile(lengths, 0.95), "p95_over_median": percentile(lengths, 0.95) / max(median, 1),
+            "truncated_frac": float(np.mean(truncated)),
+            "accuracy": float(np.mean([task.reward(t, r) == 1.0 for t, r in zip(texts, golds)])),
+            "generate_seconds": round(seconds, 3)}
+
+
+def update_seconds(model, tokenizer, task, prompts: int, samples: int, max_new_tokens: int, temperature: float,
+                   minibatches: int = 4) -> dict:
+    """Seconds of one rollout batch of ``prompts`` x ``samples`` held-out problems (generation) and of training on it
+    in ``minibatches`` optimizer updates (forward, backward and AdamW step, bf16 autocast, on a throwaway copy): the
+    figures' work per rollout batch, on one thread as the sweeps run it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        work = copy.deepcopy(model)
+        encoded = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in task.eval_rows[:prompts]]
+        t0 = time.perf_counter()
+        responses, _, _ = sample(work, encoded, max_new_tokens=max_new_tokens, eos_ids=[tokenizer.eos_token_id],
+                                 pad_id=tokenizer.pad_token_id, temperature=temperature, n=samples,
+                                 generator=torch.Generator().manual_seed(0))
+        generate = time.perf_counter() - t0
+        repeated = [p for p in encoded for _ in range(samples)]
+        optimizer = torch.optim.AdamW(work.parameters(), lr=1e-5)
+        size = len(responses) // minibatches
+        t0 = time.perf_counter()
+        for i in range(0, size * minibatches, size):
+            batch = collate(repeated[i:i + size], responses[i:i + size], tokenizer.pad_token_id)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logp, _ = response_logprobs(work, batch)
+            optimizer.zero_grad()
+            (-logp.sum() / batch["response_mask"].sum()).backward()
+            optimizer.step()
+        train = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
+    return {"shape": f"{prompts} prompts x {samples} samples, {minibatches} updates, 1 thread",
+            "generate_seconds": round(generate, 3), "train_seconds": round(train, 3),
+            "seconds_per_update": round((generate + train) / minibatches, 3)}
+
+
+def error_histogram(model, tokenizer, task, max_new_tokens: int) -> dict:
+    """Greedy responses to the held-out problems: how many are wrong, and at which step they first go wrong
+    (first_wrong_step; a wrong response whose every step matches counts as step 0)."""
+    texts = greedy_texts(model, tokenizer, task, max_new_tokens)
+    wrong = [(t, r) for t, r in zip(texts, task.eval_rows) if task.reward(t, r) != 1.0]
+    hist: dict[int, int] = {}
+    for t, r in wrong:
+        k = first_wrong_step(t, target(r))
+        hist[k] = hist.get(k, 0) + 1
+    return {"wrong": len(wrong), "of": len(texts), "first_wrong_step": dict(sorted(hist.items()))}
+
+
+def default_out(task: str = "arithmetic", digits: int | None = None) -> str:
+    """<cache root>/toy-arith or toy-chain, with -<d>digit when ``digits`` is not the task's default."""
+    name, default = TASK_DEFAULTS[task]["name"], TASK_DEFAULTS[task]["digits"]
+    return str(cache_root() / (name if digits in (None, default) else f"{name}-{digits}digit"))
 
 
 def check_out(out: str, overwrite: bool) -> str:
@@ -209,58 +367,143 @@ def save(model, tokenizer, manifest: dict, out: str, overwrite: bool) -> str:
     return out
 
 
+def check_band(band: tuple[float, float], flag: str = "--band") -> None:
+    """A SystemExit unless ``band`` is LOW HIGH with 0 <= LOW <= HIGH <= 1."""
+    if not 0.0 <= band[0] <= band[1] <= 1.0:
+        raise SystemExit(f"{flag} {band[0]} {band[1]}: give LOW HIGH with 0 <= LOW <= HIGH <= 1")
+
+
+def train_into_band(model, optimizer, train_step, score, bands: dict[str, tuple[float, float]], max_steps: int,
+                    check_every: int, report=lambda step, scores: None) -> tuple[int, dict, list[dict]]:
+    """Call ``train_step(step)`` for step = 0, 1, ... and ``score()`` (a dict with a value for every name in
+    ``bands``) after every ``check_every`` steps until a check has every value inside its band (inclusive); returns
+    (steps taken, those scores, every check as {step, **scores}). A check with a value above its band restores
+    ``model`` and ``optimizer`` to the previous check and replays the steps since then with a check after each
+    (``train_step`` must be a function of its step, so the replay repeats them); no check inside the bands within
+    ``max_steps`` steps is a SystemExit."""
+    checks: list[dict] = []
+    saved = (0, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+    step = replay_until = 0
+    while step < max_steps:
+        train_step(step)
+        step += 1
+        if step > replay_until and step % check_every and step != max_steps:
+            continue
+        scores = score()
+        checks.append({"step": step, **scores})
+        report(step, scores)
+        if all(low <= scores[k] <= high for k, (low, high) in bands.items()):
+            return step, scores, checks
+        over = any(scores[k] > high for k, (_, high) in bands.items())
+        if over and step > replay_until and step - saved[0] > 1:  # jumped over a band: replay step by step
+            replay_until, step = step, saved[0]
+            model.load_state_dict(saved[1])
+            optimizer.load_state_dict(copy.deepcopy(saved[2]))
+            continue
+        saved = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+    wanted = ", ".join(f"{k} in [{low}, {high}]" for k, (low, high) in bands.items())
+    last = "; ".join(f"step {c['step']}: " + ", ".join(f"{k} {c[k]:.3f}" for k in bands) for c in checks[-4:])
+    raise SystemExit(f"the warm start never landed in its bands ({wanted}) within --max-steps {max_steps} (last "
+                     f"checks: {last}); raise --max-steps, widen --band / --sampled-band, or change "
+                     f"--learning-rate or --seed")
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux /proc/cpuinfo), else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    defaults = TASK_DEFAULTS[args.task]
+    args = replace(args, **{k: v for k, v in defaults.items() if k != "name" and getattr(args, k) is None})
     if args.digits < 1:
         raise SystemExit(f"--digits must be >= 1, got {args.digits}")
-    if args.steps < 0 or args.batch_size < 1 or args.eval_size < 1 or args.eval_max_new_tokens < 1 or args.eval_every < 0:
-        raise SystemExit("--steps and --eval-every must be >= 0; --batch-size, --eval-size and --eval-max-new-tokens >= 1")
-    if args.learning_rate <= 0:
-        raise SystemExit(f"--learning-rate must be > 0, got {args.learning_rate}")
-    out = check_out(args.out or default_out(args.digits), args.overwrite)  # before minutes of training
+    if min(args.max_steps, args.check_every, args.batch_size, args.eval_size, args.eval_max_new_tokens,
+           args.stats_prompts, args.stats_samples) < 1:
+        raise SystemExit("--max-steps, --check-every, --batch-size, --eval-size, --eval-max-new-tokens, "
+                         "--stats-prompts and --stats-samples must be >= 1")
+    if args.learning_rate <= 0 or args.temperature <= 0:
+        raise SystemExit(f"--learning-rate and --temperature must be > 0, got {args.learning_rate}, {args.temperature}")
+    check_band(args.band)
+    check_band(args.sampled_band, "--sampled-band")
+    out = check_out(args.out or default_out(args.task, args.digits), args.overwrite)  # before minutes of training
 
-    task = make_task("arithmetic", digits=args.digits, eval_size=args.eval_size, seed=args.seed)
+    task = make_task(args.task, digits=args.digits, eval_size=args.eval_size, seed=args.seed)
     tokenizer = build_tokenizer()
     config = build_config(tokenizer, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads,
                           args.intermediate_size, args.max_position_embeddings)
-    longest = len(encode_prompt(tokenizer, task.prompt({"question": f"What is {'9' * args.digits} + {'9' * args.digits}?"})))
-    if longest + args.eval_max_new_tokens > config.max_position_embeddings:
-        raise SystemExit(f"--max-position-embeddings {config.max_position_embeddings} is too small for {args.digits}-digit "
-                         f"prompts ({longest} tokens) plus {args.eval_max_new_tokens} new tokens")
+    longest = max(len(encode_prompt(tokenizer, task.prompt(r))) for r in task.eval_rows)
+    response = max(args.eval_max_new_tokens, *(len(target(r)) + 1 for r in task.eval_rows))
+    if longest + response > config.max_position_embeddings:
+        raise SystemExit(f"--max-position-embeddings {config.max_position_embeddings} is too small for {args.task} "
+                         f"prompts of up to {longest} tokens plus responses of up to {response} tokens")
     model = build_model(config, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[toy] {n_params / 1e6:.2f}M-parameter Llama ({args.num_layers} layers, hidden {args.hidden_size}), "
-          f"vocabulary {len(tokenizer)}; {args.digits}-digit addition, prompt {longest} tokens; {args.steps} steps of "
-          f"{args.batch_size} on {torch.get_num_threads()} threads", flush=True)
+          f"vocabulary {len(tokenizer)}; task {args.task}, --digits {args.digits}, prompts of up to {longest} tokens; "
+          f"batches of {args.batch_size} until, on {len(task.eval_rows)} held-out problems, the greedy accuracy is in "
+          f"[{args.band[0]}, {args.band[1]}] and the sampled one (temperature {args.temperature}) in "
+          f"[{args.sampled_band[0]}, {args.sampled_band[1]}] (at most {args.max_steps} steps) on "
+          f"{torch.get_num_threads()} threads",
+          flush=True)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     model.train()
-    history, t0 = [], time.perf_counter()
-    for step in range(args.steps):
+    losses: dict[int, float] = {}  # supervised loss after each step (a replayed step overwrites its own)
+    t0 = time.perf_counter()
+
+    def train_step(step: int) -> None:
         for group in optimizer.param_groups:
             group["lr"] = args.learning_rate * min(1.0, (step + 1) / max(1, args.warmup_steps))
-        loss = supervised_step(model, optimizer, supervised_batch(task, tokenizer, task.train_rows(step, args.batch_size)),
-                               args.max_grad_norm)
-        done = step + 1
-        if done % 50 == 0 or done == args.steps:
-            print(f"[toy] step {done}/{args.steps} loss {loss:.4f} ({time.perf_counter() - t0:.1f}s)", flush=True)
-        if args.eval_every and done % args.eval_every == 0 and done != args.steps:
-            acc = greedy_accuracy(model, tokenizer, task, args.eval_max_new_tokens)
-            history.append({"step": done, "eval_accuracy": acc})
-            print(f"[toy] step {done}: greedy eval accuracy {acc:.3f}", flush=True)
-    train_seconds = time.perf_counter() - t0  # includes any --eval-every evaluations
+        batch = supervised_batch(task, tokenizer, task.train_rows(step, args.batch_size))
+        losses[step + 1] = supervised_step(model, optimizer, batch, args.max_grad_norm)
 
-    t1 = time.perf_counter()
-    accuracy = greedy_accuracy(model, tokenizer, task, args.eval_max_new_tokens)
-    eval_seconds = time.perf_counter() - t1
+    def score() -> dict:
+        return {"greedy": greedy_accuracy(model, tokenizer, task, args.eval_max_new_tokens),
+                "sampled": sampled_accuracy(model, tokenizer, task, args.eval_max_new_tokens, args.temperature)}
+
+    def report(step: int, scores: dict) -> None:
+        print(f"[toy] step {step}: loss {losses[step]:.4f}, greedy eval accuracy {scores['greedy']:.3f}, sampled "
+              f"{scores['sampled']:.3f} ({time.perf_counter() - t0:.1f}s)", flush=True)
+
+    steps, scores, checks = train_into_band(model, optimizer, train_step, score,
+                                            {"greedy": args.band, "sampled": args.sampled_band}, args.max_steps,
+                                            args.check_every, report)
+    seconds = time.perf_counter() - t0
+    print(f"[toy] warm start {seconds:.1f}s, {steps} steps; greedy eval accuracy {scores['greedy']:.3f}, sampled "
+          f"{scores['sampled']:.3f} on {len(task.eval_rows)} held-out problems", flush=True)
+
+    # what RL will meet: rollouts at the figures' temperature and budget, the speed of an update, where errors are
+    rollouts = rollout_stats(model, tokenizer, task, args.stats_prompts, args.stats_samples, args.eval_max_new_tokens,
+                             args.temperature, args.seed)
+    speed = update_seconds(model, tokenizer, task, 16, 8, args.eval_max_new_tokens, args.temperature)
+    errors = error_histogram(model, tokenizer, task, args.eval_max_new_tokens)
+    print(f"[toy] rollouts ({rollouts['samples']} at temperature {args.temperature}, {args.eval_max_new_tokens} new "
+          f"tokens): {rollouts['steps_mean']:.2f} steps per response, median {rollouts['tokens_median']:.0f} tokens, "
+          f"95th percentile {rollouts['tokens_p95']:.0f} ({rollouts['p95_over_median']:.2f}x), "
+          f"{100 * rollouts['truncated_frac']:.1f}% hit the budget, sampled accuracy {rollouts['accuracy']:.3f}", flush=True)
+    print(f"[toy] one rollout batch of {speed['shape']}: generation {speed['generate_seconds']:.2f}s + training "
+          f"{speed['train_seconds']:.2f}s = {speed['seconds_per_update']:.2f}s per update", flush=True)
+    print(f"[toy] greedy errors: {errors['wrong']} of {errors['of']} wrong; first wrong step: "
+          + ", ".join(f"{k}: {v}" for k, v in errors["first_wrong_step"].items()), flush=True)
     manifest = {
-        "task": "arithmetic", "digits": args.digits, "steps": args.steps, "warm_start_seconds": round(train_seconds, 2),
-        "eval_seconds": round(eval_seconds, 2), "eval_accuracy": accuracy, "eval_size": len(task.eval_rows),
-        "eval_decoding": f"greedy, bf16 autocast, {args.eval_max_new_tokens} new tokens", "final_loss": loss if args.steps else None,
+        "task": args.task, "digits": args.digits, "steps": steps, "band": list(args.band),
+        "sampled_band": list(args.sampled_band), "warm_start_seconds": round(seconds, 2),
+        "eval_accuracy": scores["greedy"], "sampled_accuracy": scores["sampled"], "eval_size": len(task.eval_rows),
+        "eval_decoding": f"greedy, bf16 autocast, {args.eval_max_new_tokens} new tokens", "final_loss": losses[steps],
+        "rollouts": rollouts, "update_seconds": speed, "greedy_errors": errors,
         "num_parameters": n_params, "vocab_size": len(tokenizer), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "machine": platform.machine(), "history": history, "args": asdict(args),
+        "torch": torch.__version__, "machine": platform.machine(), "processor": cpu_name(), "checks": checks,
+        "args": asdict(args),
     }
     out = save(model, tokenizer, manifest, out, args.overwrite)
-    print(f"[toy] warm start {train_seconds:.1f}s; greedy eval accuracy {accuracy:.3f} on {len(task.eval_rows)} held-out "
-          f"{args.digits}-digit problems ({eval_seconds:.1f}s)", flush=True)
-    print(f"[toy] saved {out}\n[toy] use it with: python algorithms/grpo.py --model {out} --digits {args.digits}", flush=True)
+    print(f"[toy] saved {out}\n[toy] use it with: python algorithms/grpo.py --model {out} --task {args.task} "
+          f"--digits {args.digits} --max-new-tokens {args.eval_max_new_tokens}", flush=True)
