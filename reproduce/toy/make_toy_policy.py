@@ -200,43 +200,36 @@ def supervised_step(model, optimizer, batch: dict, max_grad_norm: float = 1.0) -
 
 
 @torch.no_grad()
-def greedy_texts(model, tokenizer, task, max_new_tokens: int = 16, batch_size: int = 64) -> list[str]:
-    """Greedy responses to ``task.eval_rows``, decoded as the algorithm scripts' evaluation decodes them (the same
-    sampler, bf16 autocast)."""
+def eval_texts(model, tokenizer, task, max_new_tokens: int = 16, batch_size: int = 64, **sampling) -> list[str]:
+    """One response to each of ``task.eval_rows``, decoded, from the algorithm scripts' sampler (bf16 autocast);
+    ``sampling``: ``greedy=True`` (their evaluation), or ``temperature`` and a ``generator``."""
     was_training = model.training
     model.eval()
     prompts = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in task.eval_rows]
     responses = []
     for i in range(0, len(prompts), batch_size):
         r, _, _ = sample(model, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
-                         eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id, greedy=True)
+                         eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id, **sampling)
         responses += r
     model.train(was_training)
     return tokenizer.batch_decode(responses, skip_special_tokens=True)
 
 
-def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 16, batch_size: int = 64) -> float:
-    """Greedy accuracy on ``task.eval_rows``, scored as the algorithm scripts' evaluation (bf16 autocast)."""
-    texts = greedy_texts(model, tokenizer, task, max_new_tokens, batch_size)
+def accuracy_of(task, texts: list[str]) -> float:
+    """Fraction of ``texts`` (one per eval row) that the task's reward scores correct."""
     return float(np.mean([task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows)]))
 
 
-@torch.no_grad()
-def sampled_accuracy(model, tokenizer, task, max_new_tokens: int, temperature: float, seed: int = 1,
-                     batch_size: int = 64) -> float:
+def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 16) -> float:
+    """Greedy accuracy on ``task.eval_rows``, scored as the algorithm scripts' evaluation."""
+    return accuracy_of(task, eval_texts(model, tokenizer, task, max_new_tokens, greedy=True))
+
+
+def sampled_accuracy(model, tokenizer, task, max_new_tokens: int, temperature: float, seed: int = 1) -> float:
     """Accuracy of one sample per held-out problem at ``temperature`` (the sampler seeded with ``seed``, the same
     whatever the policy's seed): the reward rate RL starts from."""
-    was_training = model.training
-    model.eval()
-    prompts = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in task.eval_rows]
-    generator, responses = torch.Generator().manual_seed(seed), []
-    for i in range(0, len(prompts), batch_size):
-        r, _, _ = sample(model, prompts[i:i + batch_size], max_new_tokens=max_new_tokens, temperature=temperature,
-                         eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id, generator=generator)
-        responses += r
-    model.train(was_training)
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    return float(np.mean([task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows)]))
+    return accuracy_of(task, eval_texts(model, tokenizer, task, max_new_tokens, temperature=temperature,
+                                        generator=torch.Generator().manual_seed(seed)))
 
 
 def steps_of(text: str) -> list[str]:
@@ -325,7 +318,7 @@ def update_seconds(model, tokenizer, task, prompts: int, samples: int, max_new_t
 def error_histogram(model, tokenizer, task, max_new_tokens: int) -> dict:
     """Greedy responses to the held-out problems: how many are wrong, and at which step they first go wrong
     (first_wrong_step; a wrong response whose every step matches counts as step 0)."""
-    texts = greedy_texts(model, tokenizer, task, max_new_tokens)
+    texts = eval_texts(model, tokenizer, task, max_new_tokens, greedy=True)
     wrong = [(t, r) for t, r in zip(texts, task.eval_rows) if task.reward(t, r) != 1.0]
     hist: dict[int, int] = {}
     for t, r in wrong:
