@@ -99,7 +99,8 @@ START_BANDS = {"greedy": (0.28, 0.38), "sampled": (0.22, 0.32)}
 
 
 def toy_policy(digits: int = 2) -> str:
-    """Folder of the toy policy (reproduce/toy/make_toy_policy.py, default settings), built on first use (~2-4 min)."""
+    """Folder of the toy policy (reproduce/toy/make_toy_policy.py, default settings), built on first use (minutes;
+    reproduce/toy/README.md)."""
     path = cache_root() / ("toy-arith" if digits == 2 else f"toy-arith-{digits}digit")
     if not (path / "toy_policy.json").exists():
         print(f"[sweep] building the toy policy in {path} (once, a few minutes)", flush=True)

@@ -150,6 +150,14 @@ def test_only_selects_the_runs_with_every_label():
         sweep.select(jobs, ["m2po", "16"])
 
 
+def test_start_bands_are_the_toy_policy_defaults():
+    sys.path.insert(0, str(ROOT / "reproduce" / "toy"))
+    from make_toy_policy import TASK_DEFAULTS
+
+    arithmetic = TASK_DEFAULTS["arithmetic"]
+    assert sweep.START_BANDS == {"greedy": arithmetic["band"], "sampled": arithmetic["sampled_band"]}
+
+
 def test_start_policy_checks_the_bands(monkeypatch, capsys):
     measured = []
     monkeypatch.setattr(sweep, "starting_accuracy", lambda model, n: measured.append((model, n)) or scores)
