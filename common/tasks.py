@@ -16,8 +16,9 @@ last ``\\boxed{}`` of ``solution``) and strictly otherwise: a missing field or m
 naming the file and row.
 
 Prompt templates (``--prompt-template``), each with the verifier its paper used (common/verifiers.py):
-``number`` (arithmetic: last number), ``chain`` (chain: one operation per line, then "####"), ``grpo`` ("####"), ``dapo`` ("Answer:" line), ``m2po`` (last
-``\\boxed{}`` + math_verify), ``tba`` (raw text, last number), ``vineppo`` (raw text, "####").
+``number`` (arithmetic: last number), ``chain`` (chain: one operation per line, then "####"), ``grpo`` ("####"),
+``dapo`` ("Answer:" line), ``m2po`` (last ``\\boxed{}`` + math_verify), ``tba`` (raw text, last number),
+``vineppo`` (raw text, "####").
 """
 
 import json
@@ -61,7 +62,8 @@ TEMPLATES = {
     "tba": ("[MATH TASK] Problem:\n{question}\n\nSolution:\n", False, "last_number"),
     "vineppo": ("[MATH_TASK] Problem:\n{question}\n\nSolution:", False, "hash"),
 }
-DEFAULT_TEMPLATE = {"arithmetic": "number", "chain": "chain", "gsm8k": "grpo", "math": "m2po", "deepscaler": "m2po", "dapo17k": "dapo"}
+DEFAULT_TEMPLATE = {"arithmetic": "number", "chain": "chain", "gsm8k": "grpo", "math": "m2po", "deepscaler": "m2po",
+                    "dapo17k": "dapo"}
 
 
 def correctness_reward(answer: str | None, gold: str) -> float:
@@ -155,8 +157,8 @@ def chain_problem(rng: random.Random, digits: int) -> dict:
         terms.append(f"{'+' if add else '-'} {b}")
         lines.append(f"{value} {'+' if add else '-'} {b} = {new}")
         value = new
-    return {"question": f"{' '.join(terms)} = ?", "answer": str(value), "solution": "\n".join(lines + [f"#### {value}"]),
-            "steps": n}
+    solution = "\n".join(lines + [f"#### {value}"])
+    return {"question": f"{' '.join(terms)} = ?", "answer": str(value), "solution": solution, "steps": n}
 
 
 def make_chain_task(digits: int = 1, eval_size: int = 200, seed: int = 1, template: str = "chain") -> Task:

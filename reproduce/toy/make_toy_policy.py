@@ -58,12 +58,13 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role
                  "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MANIFEST = "toy_policy.json"
-# per task: operand digits, greedy- and sampled-accuracy bands, steps between checks, positions, generation budget, folder name
+# per task: operand digits, greedy- and sampled-accuracy bands, steps between checks, positions, generation budget,
+# folder name
 TASK_DEFAULTS = {
-    "arithmetic": {"digits": 2, "band": (0.28, 0.38), "sampled_band": (0.22, 0.32), "check_every": 10, "max_position_embeddings": 256,
-                   "eval_max_new_tokens": 16, "name": "toy-arith"},
-    "chain": {"digits": 1, "band": (0.25, 0.35), "sampled_band": (0.15, 0.35), "check_every": 25, "max_position_embeddings": 384,
-              "eval_max_new_tokens": 128, "name": "toy-chain"},
+    "arithmetic": {"digits": 2, "band": (0.28, 0.38), "sampled_band": (0.22, 0.32), "check_every": 10,
+                   "max_position_embeddings": 256, "eval_max_new_tokens": 16, "name": "toy-arith"},
+    "chain": {"digits": 1, "band": (0.25, 0.35), "sampled_band": (0.15, 0.35), "check_every": 25,
+              "max_position_embeddings": 384, "eval_max_new_tokens": 128, "name": "toy-chain"},
 }
 
 
@@ -482,7 +483,8 @@ if __name__ == "__main__":
     print(f"[toy] rollouts ({rollouts['samples']} at temperature {args.temperature}, {args.eval_max_new_tokens} new "
           f"tokens): {rollouts['steps_mean']:.2f} steps per response, median {rollouts['tokens_median']:.0f} tokens, "
           f"95th percentile {rollouts['tokens_p95']:.0f} ({rollouts['p95_over_median']:.2f}x), "
-          f"{100 * rollouts['truncated_frac']:.1f}% hit the budget, sampled accuracy {rollouts['accuracy']:.3f}", flush=True)
+          f"{100 * rollouts['truncated_frac']:.1f}% hit the budget, sampled accuracy {rollouts['accuracy']:.3f}",
+          flush=True)
     print(f"[toy] one rollout batch of {speed['shape']}: generation {speed['generate_seconds']:.2f}s + training "
           f"{speed['train_seconds']:.2f}s = {speed['seconds_per_update']:.2f}s per update", flush=True)
     print(f"[toy] greedy errors: {errors['wrong']} of {errors['of']} wrong; first wrong step: "
