@@ -28,9 +28,10 @@ class SweepArgs:
     """Settings every figure's run script shares (each adds its own)."""
 
     model: str = ""
-    """policy every run starts from (default: the toy policy, built on first use)"""
+    """policy every run starts from (default: for training seed k, the toy policy built with --seed k, built on first
+    use, so the spread over seeds includes that of the warm start)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
-    """training seeds (the policy is the same for all)"""
+    """training seeds (each starts from its own toy policy unless --model is given)"""
     updates: int = 320
     """optimizer updates per run"""
     eval_every: int = 40
@@ -53,7 +54,7 @@ class SweepArgs:
 
 
 def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, tba: bool = False) -> list[str]:
-    """The flags every figure's runs share: the toy policy, seed, budget, lr, evaluation, staleness and batch shape
+    """The flags every figure's runs share: the starting policy, seed, budget, lr, evaluation, staleness and batch shape
     (16 prompts x 8 samples per rollout batch, 4 updates from each = M2PO's recipe; tba.py: 4 prompts x 8 per
     update from its replay buffer, so both take 32 samples per optimizer update)."""
     flags = ["--model", model, "--seed", str(seed), "--total-updates", str(args.updates), "--learning-rate",
@@ -62,12 +63,13 @@ def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, tba: bool 
     return flags + (["--prompts-per-batch", "4"] if tba else ["--prompts-per-batch", "16", "--updates-per-batch", "4"])
 
 
-def toy_job(model: str, args: SweepArgs, algo: str, staleness: int, seed: int, labels: dict, extra: tuple = (),
-            tag: str = "") -> "Job":
-    """A run of ``algo`` with toy_flags plus ``extra`` flags, named <algo>[_<tag>]_s<staleness>_seed<seed> (the tag
-    names the extra flags, so figures that share a configuration share the run)."""
+def toy_job(models: dict[int, str], args: SweepArgs, algo: str, staleness: int, seed: int, labels: dict,
+            extra: tuple = (), tag: str = "") -> "Job":
+    """A run of ``algo`` from ``models[seed]`` (start_policies) with toy_flags plus ``extra`` flags, named
+    <algo>[_<tag>]_s<staleness>_seed<seed> (the tag names the extra flags, so figures that share a configuration share
+    the run)."""
     name = f"{algo}{'_' + tag if tag else ''}_s{staleness}_seed{seed}"
-    return Job(name, algo, toy_flags(model, args, seed, staleness, tba=algo == "tba") + list(extra),
+    return Job(name, algo, toy_flags(models[seed], args, seed, staleness, tba=algo == "tba") + list(extra),
                {**labels, "seed": seed})
 
 
@@ -98,14 +100,14 @@ def run_sweep(jobs: list["Job"], args: SweepArgs, keys: list[str], out: str | Pa
 START_BANDS = {"greedy": (0.28, 0.38), "sampled": (0.22, 0.32)}
 
 
-def toy_policy(digits: int = 2) -> str:
-    """Folder of the toy policy (reproduce/toy/make_toy_policy.py, default settings), built on first use (minutes;
-    reproduce/toy/README.md)."""
-    path = cache_root() / ("toy-arith" if digits == 2 else f"toy-arith-{digits}digit")
+def toy_policy(seed: int) -> str:
+    """Folder of the toy policy built with ``--seed seed`` (reproduce/toy/make_toy_policy.py, otherwise its defaults),
+    built on first use (minutes; reproduce/toy/README.md)."""
+    path = cache_root() / f"toy-arith-seed{seed}"
     if not (path / "toy_policy.json").exists():
-        print(f"[sweep] building the toy policy in {path} (once, a few minutes)", flush=True)
-        subprocess.run([sys.executable, str(ROOT / "reproduce" / "toy" / "make_toy_policy.py"), "--digits",
-                        str(digits), "--out", str(path)], check=True)
+        print(f"[sweep] building the toy policy for seed {seed} in {path} (once, minutes)", flush=True)
+        subprocess.run([sys.executable, str(ROOT / "reproduce" / "toy" / "make_toy_policy.py"), "--seed", str(seed),
+                        "--out", str(path)], check=True)
     return str(path)
 
 
@@ -125,25 +127,30 @@ def starting_accuracy(model: str, eval_size: int) -> dict:
                                                                                             0.7)}
 
 
-def start_policy(args: SweepArgs) -> str:
-    """The policy every run of a figure starts from (--model, else the toy policy), after checking its accuracies
-    against START_BANDS: a start outside them (a toy policy built by an older builder, another model) is an error,
-    or with --any-start a loud warning."""
-    model = args.model or toy_policy()
-    scores = starting_accuracy(model, args.eval_size)
-    measured = (f"greedy accuracy {scores['greedy']:.3f} and sampled accuracy {scores['sampled']:.3f} (temperature "
-                f"0.7) on {args.eval_size} held-out problems")
+def start_policies(args: SweepArgs) -> dict[int, str]:
+    """{training seed: the policy its runs start from}: --model for every seed, else the toy policy built with that
+    seed (toy_policy). Each policy's accuracies are checked against START_BANDS first: a start outside them (a toy
+    policy built by an older builder, another model) is an error, or with --any-start a loud warning."""
+    models = {seed: args.model or toy_policy(seed) for seed in args.seeds}
     bands = ", ".join(f"{k} [{low}, {high}]" for k, (low, high) in START_BANDS.items())
-    if all(low <= scores[k] <= high for k, (low, high) in START_BANDS.items()):
-        print(f"[sweep] starting policy {model}: {measured}, inside the figures' bands ({bands})", flush=True)
-        return model
-    message = f"the starting policy {model} has {measured}, outside the bands the figures assume ({bands})"
+    outside = []
+    for model in sorted(set(models.values())):
+        scores = starting_accuracy(model, args.eval_size)
+        measured = (f"greedy accuracy {scores['greedy']:.3f} and sampled accuracy {scores['sampled']:.3f} "
+                    f"(temperature 0.7) on {args.eval_size} held-out problems")
+        inside = all(low <= scores[k] <= high for k, (low, high) in START_BANDS.items())
+        print(f"[sweep] starting policy {model}: {measured}, {'inside' if inside else 'OUTSIDE'} the figures' bands "
+              f"({bands})", flush=True)
+        outside += [] if inside else [model]
+    if not outside:
+        return models
+    message = f"the starting policies {', '.join(outside)} are outside the bands the figures assume ({bands})"
     if not args.any_start:
-        raise SystemExit(f"{message}. Rebuild the toy policy (python reproduce/toy/make_toy_policy.py, which trains "
-                         f"into those bands), or pass --any-start to run anyway.")
+        raise SystemExit(f"{message}. Rebuild them (python reproduce/toy/make_toy_policy.py --seed <k> --out <folder> "
+                         f"--overwrite, which trains into those bands), or pass --any-start to run anyway.")
     print(f"[sweep] WARNING: {message}; running anyway (--any-start): the figures' READMEs do not describe such a "
           f"start.", flush=True)
-    return model
+    return models
 
 
 @dataclass

@@ -67,12 +67,12 @@ def test_csv_round_trip_curves_and_final_values(tmp_path):
 
 def test_toy_flags_and_job_names():
     args = sweep.SweepArgs(updates=7, eval_every=3, eval_size=9, learning_rate=2e-5)
-    job = sweep.toy_job("M", args, "m2po", 256, 2, {"config": "c"}, ("--no-trust-region",), "notr")
+    job = sweep.toy_job({2: "M"}, args, "m2po", 256, 2, {"config": "c"}, ("--no-trust-region",), "notr")
     assert job.name == "m2po_notr_s256_seed2" and job.labels == {"config": "c", "seed": 2}
     assert job.flags() == ("--model M --seed 2 --total-updates 7 --learning-rate 2e-05 --eval-every 3 --eval-size 9 "
                            "--staleness 256 --group-size 8 --prompts-per-batch 16 --updates-per-batch 4 "
                            "--no-trust-region")
-    tba = sweep.toy_job("M", args, "tba", 2, 1, {})
+    tba = sweep.toy_job({1: "M"}, args, "tba", 2, 1, {})
     assert tba.name == "tba_s2_seed1" and tba.flags().endswith("--group-size 8 --prompts-per-batch 4")
     assert job.command()[1].endswith("algorithms/m2po.py") and job.command()[-2:] == ["--run-name", job.name]
 
@@ -121,7 +121,7 @@ def test_tiny_side_by_side_run_writes_a_csv_the_plot_reads(toy_path, tmp_path):
     cmd.append("--any-start")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "WARNING: the starting policy" in proc.stdout and "greedy accuracy 0.000 and sampled" in proc.stdout
+    assert "WARNING: the starting policies" in proc.stdout and "greedy accuracy 0.000 and sampled" in proc.stdout
     rows = sweep.read_csv(csv_path)
     for algo in ("grpo", "tba"):
         for s in (0, 4):
@@ -158,20 +158,35 @@ def test_start_bands_are_the_toy_policy_defaults():
     assert sweep.START_BANDS == {"greedy": arithmetic["band"], "sampled": arithmetic["sampled_band"]}
 
 
-def test_start_policy_checks_the_bands(monkeypatch, capsys):
+def test_start_policies_check_the_bands(monkeypatch, capsys):
     measured = []
     monkeypatch.setattr(sweep, "starting_accuracy", lambda model, n: measured.append((model, n)) or scores)
     args = sweep.SweepArgs(model="M", eval_size=500)
     (g_low, g_high), (s_low, s_high) = sweep.START_BANDS["greedy"], sweep.START_BANDS["sampled"]
     for scores in ({"greedy": g_low, "sampled": s_low}, {"greedy": g_high, "sampled": s_high}):  # inclusive
-        assert sweep.start_policy(args) == "M"
+        assert sweep.start_policies(args) == {1: "M", 2: "M", 3: "M"}  # --model: one policy, measured once
     assert measured == [("M", 500)] * 2 and "inside the figures' bands" in capsys.readouterr().out
     for scores in ({"greedy": 0.095, "sampled": 0.25}, {"greedy": 0.33, "sampled": 0.17}, {"greedy": 0.5, "sampled": 0.4}):
-        with pytest.raises(SystemExit, match=rf"greedy accuracy {scores['greedy']:.3f} and sampled accuracy "
-                                             rf"{scores['sampled']:.3f} .* on 500 held-out problems, outside"):
-            sweep.start_policy(args)
-        assert sweep.start_policy(sweep.SweepArgs(model="M", any_start=True)) == "M"
+        with pytest.raises(SystemExit, match="the starting policies M are outside the bands"):
+            sweep.start_policies(args)
+        assert f"greedy accuracy {scores['greedy']:.3f} and sampled accuracy {scores['sampled']:.3f}" in \
+            capsys.readouterr().out
+        assert sweep.start_policies(sweep.SweepArgs(model="M", any_start=True)) == {1: "M", 2: "M", 3: "M"}
         assert "WARNING" in capsys.readouterr().out
+
+
+def test_each_seed_starts_from_its_own_toy_policy(monkeypatch, capsys):
+    """Without --model, training seed k starts from the toy policy built with --seed k; each is checked, and the
+    error names the ones outside the bands."""
+    monkeypatch.setattr(sweep, "toy_policy", lambda seed: f"toy{seed}")
+    scores = {"toy1": {"greedy": 0.30, "sampled": 0.25}, "toy2": {"greedy": 0.36, "sampled": 0.23},
+              "toy3": {"greedy": 0.12, "sampled": 0.10}}
+    monkeypatch.setattr(sweep, "starting_accuracy", lambda model, n: scores[model])
+    assert sweep.start_policies(sweep.SweepArgs(seeds=[1, 2])) == {1: "toy1", 2: "toy2"}
+    with pytest.raises(SystemExit, match="the starting policies toy3 are outside"):
+        sweep.start_policies(sweep.SweepArgs(seeds=[1, 2, 3]))
+    job = sweep.toy_job({1: "toy1", 2: "toy2"}, sweep.SweepArgs(), "grpo", 0, 2, {})
+    assert job.flags().startswith("--model toy2 --seed 2 ")
 
 
 def test_run_means_averages_each_seed_over_its_rows():

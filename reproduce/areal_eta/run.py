@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, collect, run_jobs, select, start_policy, toy_job, write_csv
+from sweep import Job, SweepArgs, collect, run_jobs, select, start_policies, toy_job, write_csv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = ["eval/accuracy", "charts/reward_mean", "losses/clipfrac", "losses/entropy", "losses/behav_capped_frac",
@@ -40,12 +40,12 @@ class Args(SweepArgs):
     """the CSV of every run's metrics (the plot reads it)"""
 
 
-def jobs(args: Args, model: str) -> tuple[list[Job], list[Job]]:
-    accuracy = [toy_job(model, args, "ppo_stale", 4 * eta, seed, {"part": "accuracy", "loss": loss, "eta": eta},
+def jobs(args: Args, models: dict[int, str]) -> tuple[list[Job], list[Job]]:
+    accuracy = [toy_job(models, args, "ppo_stale", 4 * eta, seed, {"part": "accuracy", "loss": loss, "eta": eta},
                         () if loss == "decoupled" else ("--no-decoupled",), "" if loss == "decoupled" else "naive")
                 for loss in ["naive", "decoupled"] for eta in args.etas for seed in args.seeds]
     short = dataclasses.replace(args, updates=args.throughput_updates, eval_every=0)
-    throughput = [toy_job(model, short, "ppo_stale", 0, seed, {"part": "throughput", "loss": "decoupled", "eta": eta},
+    throughput = [toy_job(models, short, "ppo_stale", 0, seed, {"part": "throughput", "loss": "decoupled", "eta": eta},
                           ("--max-staleness", str(eta)), f"bounded{eta}")
                   for eta in args.etas for seed in args.throughput_seeds]
     return accuracy, throughput
@@ -53,7 +53,7 @@ def jobs(args: Args, model: str) -> tuple[list[Job], list[Job]]:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    accuracy, throughput = jobs(args, start_policy(args))
+    accuracy, throughput = jobs(args, start_policies(args))
     if args.only:  # one row (or part) of the figure
         picked = {j.name for j in select(accuracy + throughput, args.only)}
         accuracy, throughput = [j for j in accuracy if j.name in picked], [j for j in throughput if j.name in picked]

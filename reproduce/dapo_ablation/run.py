@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, run_sweep, start_policy, toy_job
+from sweep import Job, SweepArgs, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SWITCHES = ["overlong-filtering", "clip-higher", "overlong-shaping", "token-level-loss", "dynamic-sampling"]
@@ -36,15 +36,15 @@ class Args(SweepArgs):
     """the CSV of every run's metrics (the plot reads it)"""
 
 
-def jobs(args: Args, model: str) -> list[Job]:
+def jobs(args: Args, models: dict[int, str]) -> list[Job]:
     out = []
     for row, name in enumerate(ROWS):  # row r turns on the first r switches
         extra = tuple(f"--{'' if i < row else 'no-'}{sw}" for i, sw in enumerate(SWITCHES))
-        out += [toy_job(model, args, "dapo", args.staleness, seed, {"row": name}, extra, f"ladder{row}")
+        out += [toy_job(models, args, "dapo", args.staleness, seed, {"row": name}, extra, f"ladder{row}")
                 for seed in args.seeds]
     return out
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    run_sweep(jobs(args, start_policy(args)), args, KEYS, args.out)
+    run_sweep(jobs(args, start_policies(args)), args, KEYS, args.out)

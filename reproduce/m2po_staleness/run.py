@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, run_sweep, start_policy, toy_job
+from sweep import Job, SweepArgs, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # configuration label -> (script, staleness, extra flags, run-name tag)
@@ -38,11 +38,11 @@ class Args(SweepArgs):
     """the CSV of every run's metrics (the plot reads it)"""
 
 
-def jobs(args: Args, model: str) -> list[Job]:
-    return [toy_job(model, args, algo, s, seed, {"config": name}, extra, tag)
+def jobs(args: Args, models: dict[int, str]) -> list[Job]:
+    return [toy_job(models, args, algo, s, seed, {"config": name}, extra, tag)
             for name, (algo, s, extra, tag) in CONFIGS.items() for seed in args.seeds]
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    run_sweep(jobs(args, start_policy(args)), args, KEYS, args.out)
+    run_sweep(jobs(args, start_policies(args)), args, KEYS, args.out)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, run_sweep, start_policy, toy_job
+from sweep import Job, SweepArgs, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "tba", "vineppo"]
@@ -36,8 +36,8 @@ class Args(SweepArgs):
     """the CSV of every run's metrics (the plot reads it)"""
 
 
-def jobs(args: Args, model: str) -> list[Job]:
-    return [toy_job(model, args, algo, s, seed, {"algo": algo, "staleness": s})
+def jobs(args: Args, models: dict[int, str]) -> list[Job]:
+    return [toy_job(models, args, algo, s, seed, {"algo": algo, "staleness": s})
             for algo in args.algos for s in args.staleness for seed in args.seeds]
 
 
@@ -46,4 +46,4 @@ if __name__ == "__main__":
     unknown = sorted(set(args.algos) - set(ALGOS))
     if unknown:
         raise SystemExit(f"unknown --algos {unknown}; choose from {ALGOS}")
-    run_sweep(jobs(args, start_policy(args)), args, KEYS, args.out)
+    run_sweep(jobs(args, start_policies(args)), args, KEYS, args.out)

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, run_sweep, start_policy, toy_job
+from sweep import Job, SweepArgs, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = ["eval/accuracy", "charts/reward_mean", "losses/entropy", "losses/clipfrac", "vineppo/mc_time_frac",
@@ -30,12 +30,12 @@ class Args(SweepArgs):
     """the CSV of every run's metrics (the plot reads it)"""
 
 
-def jobs(args: Args, model: str) -> list[Job]:
-    return [toy_job(model, args, "vineppo", 0, seed, {"estimator": "MC (VinePPO)"}) for seed in args.seeds] + [
-        toy_job(model, args, "vineppo", 0, seed, {"estimator": "critic (PPO)"}, ("--value-estimator", "critic"),
+def jobs(args: Args, models: dict[int, str]) -> list[Job]:
+    return [toy_job(models, args, "vineppo", 0, seed, {"estimator": "MC (VinePPO)"}) for seed in args.seeds] + [
+        toy_job(models, args, "vineppo", 0, seed, {"estimator": "critic (PPO)"}, ("--value-estimator", "critic"),
                 "critic") for seed in args.seeds]
 
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    run_sweep(jobs(args, start_policy(args)), args, KEYS, args.out)
+    run_sweep(jobs(args, start_policies(args)), args, KEYS, args.out)
