@@ -50,7 +50,7 @@ DEFAULT_EVAL = {"gsm8k": "gsm8k", "math": "math500", "deepscaler": "math500", "d
 _DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of the form "
               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
 _DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
-# name: (text with {question}, chat template?, verifier) -- the papers' prompts (algorithms.md sec. 7)
+# name: (text with {question}, chat template?, verifier) -- the papers' prompts and verifiers (docs/tasks.md)
 TEMPLATES = {
     "number": ("{question} Reply with just the number.", True, "last_number"),
     "chain": ("{question} One step per line, then #### result.", True, "hash"),
