@@ -2,8 +2,8 @@
 phase so that RL has signal (accuracy well above 0, far below 1), on the arithmetic task (2-digit addition,
 answered with the number) or the chain task (chained addition and subtraction, worked one operation per line).
 
-    python reproduce/toy/make_toy_policy.py                # -> ~/.cache/asyncrl/toy-arith (see common.models.cache_root)
-    python algorithms/grpo.py --model ~/.cache/asyncrl/toy-arith
+    python reproduce/toy/make_toy_policy.py        # -> ~/.cache/asyncrl/toy-arith-seed1 (common.models.cache_root)
+    python algorithms/grpo.py --model ~/.cache/asyncrl/toy-arith-seed1
 
 The tokenizer has one token per printable ASCII character (and newline) plus the special tokens <s>, </s>, <pad>,
 <unk>, <|system|>, <|user|>, <|assistant|>; its chat template renders a user turn as
@@ -74,8 +74,9 @@ class Args:
     """what the policy learns: 2-digit addition answered with the number (arithmetic), or chained addition and
     subtraction worked one operation per line (chain); the defaults marked 'per task' follow TASK_DEFAULTS"""
     out: str | None = None
-    """output folder (default: <cache root>/toy-arith or toy-chain, with -<d>digit for a non-default --digits; cache
-    root as in common/models.py: $ASYNCRL_CACHE, else $XDG_CACHE_HOME/asyncrl, else ~/.cache/asyncrl)"""
+    """output folder (default: <cache root>/toy-arith-seed<seed> or toy-chain-seed<seed>, with -<d>digit for a
+    non-default --digits; cache root as in common/models.py: $ASYNCRL_CACHE, else $XDG_CACHE_HOME/asyncrl, else
+    ~/.cache/asyncrl)"""
     digits: int | None = None
     """digits per operand of the problems trained and scored on (the scripts' --digits; per task: 2 / 1)"""
     band: tuple[float, float] | None = None
@@ -328,10 +329,11 @@ def error_histogram(model, tokenizer, task, max_new_tokens: int) -> dict:
     return {"wrong": len(wrong), "of": len(texts), "first_wrong_step": dict(sorted(hist.items()))}
 
 
-def default_out(task: str = "arithmetic", digits: int | None = None) -> str:
-    """<cache root>/toy-arith or toy-chain, with -<d>digit when ``digits`` is not the task's default."""
+def default_out(task: str = "arithmetic", digits: int | None = None, seed: int = 1) -> str:
+    """<cache root>/toy-arith-seed<seed> or toy-chain-seed<seed> (where reproduce/sweep.py looks for the policy of
+    training seed <seed>), with -<d>digit before -seed when ``digits`` is not the task's default."""
     name, default = TASK_DEFAULTS[task]["name"], TASK_DEFAULTS[task]["digits"]
-    return str(cache_root() / (name if digits in (None, default) else f"{name}-{digits}digit"))
+    return str(cache_root() / f"{name if digits in (None, default) else f'{name}-{digits}digit'}-seed{seed}")
 
 
 def check_out(out: str, overwrite: bool) -> str:
@@ -428,7 +430,7 @@ if __name__ == "__main__":
         raise SystemExit(f"--learning-rate and --temperature must be > 0, got {args.learning_rate}, {args.temperature}")
     check_band(args.band)
     check_band(args.sampled_band, "--sampled-band")
-    out = check_out(args.out or default_out(args.task, args.digits), args.overwrite)  # before minutes of training
+    out = check_out(args.out or default_out(args.task, args.digits, args.seed), args.overwrite)  # before training
 
     task = make_task(args.task, digits=args.digits, eval_size=args.eval_size, seed=args.seed)
     tokenizer = build_tokenizer()
