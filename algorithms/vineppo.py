@@ -19,14 +19,14 @@ import torch
 import tyro
 
 from common.batching import collate, pad_float, response_hidden, response_logprobs
-from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,
-                                load_full_state_dicts, merge_ranks, shard_model, shutdown)
+from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, save_model, set_rng_state
+from common.distributed import (all_ranks, barrier, broadcast, full_model_state, full_state_dicts, gathered_params,
+                                init_distributed, load_full_state_dicts, merge_ranks, shard_model, shutdown)
 from common.engine import make_engine, sample, weight_payload
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
-from common.tracking import Tracker, progress_line
+from common.tracking import Tracker, format_duration, progress_line
 
 
 @dataclass
@@ -100,9 +100,13 @@ class Args:
     eval_every: int = 10
     """greedy evaluation every N updates (and at update 0 and the end); 0 disables it"""
     checkpoint_every: int = 0
-    """save runs/<run_name>/checkpoint.pt every N updates (0: only at the end, on Ctrl-C/SIGTERM and by wall-clock)"""
+    """save the full training state, runs/<run_name>/checkpoint.pt, every N updates (0: only on Ctrl-C/SIGTERM and
+    by wall-clock); a run that finishes removes it unless --keep-final-state"""
     checkpoint_minutes: float = 30.0
     """safety checkpoint: also save it when this many minutes have passed since the last save (0 disables it)"""
+    keep_final_state: bool = False
+    """at the end, keep the full training state (checkpoint.pt: weights, AdamW state, RNG, queued rollouts, engine
+    weights) so that --resume with a larger --total-updates extends the run; the trained model is always saved"""
     resume: str | None = None
     """resume from a checkpoint.pt (or its run folder); the run continues in that folder"""
     gen_batch_size: int = 256
@@ -333,10 +337,9 @@ if __name__ == "__main__":
         raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
     if args.checkpoint_minutes < 0:
         raise SystemExit(f"--checkpoint-minutes must be >= 0 (0: no safety checkpoints), got {args.checkpoint_minutes}")
-    if min(args.prompts_per_batch, args.group_size, args.updates_per_batch, args.total_updates, args.max_new_tokens,
-           args.micro_batch_size) < 1:
-        raise SystemExit("--prompts-per-batch, --group-size, --updates-per-batch, --total-updates, --max-new-tokens and "
-                         "--micro-batch-size must be >= 1")
+    for name in ("prompts_per_batch", "group_size", "updates_per_batch", "total_updates", "max_new_tokens", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.mc_samples, args.max_steps + 1, args.epochs) < 1:
         raise SystemExit(f"--mc-samples (K, the paper: 9) and --epochs must be >= 1, --max-steps (the authors' GSM8K "
                          f"cap: 25) >= 0, got {args.mc_samples}, {args.epochs}, {args.max_steps}")
@@ -783,7 +786,8 @@ if __name__ == "__main__":
             if args.eval_every > 0 and (update % args.eval_every == 0 or update == args.total_updates):
                 metrics.update(evaluate(update))
             tracker.log(metrics, update)
-            print0(progress_line(update, args.total_updates, time.time() - start_time, metrics,
+            eta_s = tracker.eta(update, args.total_updates, args.eval_every)  # recent updates' pace, evaluations apart
+            print0(progress_line(update, args.total_updates, time.time() - start_time, eta_s, metrics,
                                 ["charts/reward_mean", "eval/accuracy", "losses/clipfrac", "async/staleness_mean",
                                  "vineppo/value_mean", "vineppo/mc_time_frac", "charts/train_tokens_per_sec"]), flush=True)
             if update == args.debug_kill_at and not args.resume:  # fault injection for tests: the machine dies here
@@ -800,8 +804,19 @@ if __name__ == "__main__":
                 interrupted.set()
             if any(all_ranks(interrupted.is_set())):  # Ctrl-C: every rank stops after this update
                 raise KeyboardInterrupt
-        save(update)
-        print0(f"done: {update} updates in {time.time() - start_time:.0f}s; checkpoint {ckpt_path}", flush=True)
+        # the trained policy as a Hugging Face folder; the full training state only when asked to keep it
+        model_dir, model_state = os.path.join(run_dir, "model"), full_model_state(policy)
+        if rank == 0:
+            save_model(policy, tokenizer, model_state, model_dir)
+        if args.keep_final_state:
+            save(update)
+        elif rank == 0 and os.path.exists(ckpt_path):
+            os.remove(ckpt_path)  # a periodic or safety checkpoint of this run: it finished
+        barrier()
+        final = f"eval/accuracy {metrics['eval/accuracy']:.4g}; " if "eval/accuracy" in metrics else ""
+        kept = f"; training state {ckpt_path} (--resume it with --total-updates N)" if args.keep_final_state else ""
+        print0(f"done: {update} updates in {format_duration(time.time() - start_time)}; {final}model {model_dir}{kept}",
+               flush=True)
         shutdown()
     except KeyboardInterrupt:
         if producer_state["error"] is None:

@@ -1,9 +1,11 @@
 """Checkpoints: one torch file per save, written atomically (a crash never leaves half a file), and the guard that
 keeps a non-finite loss or gradient out of the weights."""
 
+import json
 import math
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +40,31 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
         raise SystemExit(f"could not write the checkpoint {path}: {e}\n{kept}. Free disk space or make the folder "
                          f"writable; --resume continues from the last checkpoint written.") from e
     return path
+
+
+def save_model(model, tokenizer, state_dict: dict, out_dir: str | Path) -> Path:
+    """Write the trained policy as a Hugging Face folder: ``state_dict`` (full, unsharded: full_model_state) as
+    model.safetensors with ``model``'s config and generation config, and ``tokenizer``'s files with its chat template,
+    so from_pretrained, the scripts' --model, reproduce/eval/evaluate.py and vLLM load it. Written to a temporary
+    folder first and renamed: a crash leaves the earlier folder or the new one."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        # save_pretrained records the class's name; under FSDP2 that is its wrapper (FSDPLlamaForCausalLM)
+        config = json.loads((tmp / "config.json").read_text())
+        config["architectures"] = [next(c.__name__ for c in type(model).__mro__
+                                        if c.__module__.startswith("transformers."))]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"could not write the trained model to {out}: {e}. Free disk space or make the folder "
+                         f"writable.") from e
+    return out
 
 
 def load_checkpoint(path: str | Path) -> dict:

@@ -91,13 +91,21 @@ def gathered_params(model):
             m.set_reshard_after_forward(True)  # as shard_model set them
 
 
+def full_model_state(model) -> dict:
+    """The model's full (unsharded) state dict on CPU, keyed by parameter name, on rank 0 (empty on the other ranks;
+    every rank must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 def full_state_dicts(model, optimizer) -> tuple[dict, dict]:
     """The model's and the optimizer's full (unsharded) state dicts on CPU, keyed by parameter name, on rank 0
     (empty on the other ranks). The same format for any number of ranks: a checkpoint resumes on any other."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    return full_model_state(model), get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_full_state_dicts(model, optimizer, model_state: dict, optimizer_state: dict) -> None:

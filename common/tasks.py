@@ -188,7 +188,7 @@ def make_chain_task(digits: int = 1, eval_size: int = 200, seed: int = 1, templa
 
 
 # ---------------------------------------------------------------- datasets: reading rows
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path, flag: str = "") -> list[dict]:
     """Rows of a .jsonl, .json (a list of objects) or .parquet file; each row must be a JSON object."""
     path = Path(path)
     suffix = path.suffix.lower()
@@ -221,7 +221,8 @@ def read_rows(path: Path) -> list[dict]:
         if not isinstance(row, dict):
             raise SystemExit(f"{path}: row {i} is not a JSON object.")
     if not rows:
-        raise SystemExit(f"{path}: no rows.")
+        raise SystemExit(f"{flag + ' ' if flag else ''}{path}: the file has no rows; pass a file with at least one "
+                         f"question.")
     return rows
 
 
@@ -302,7 +303,8 @@ def load_rows(name: str, source: tuple, path: str | None, flag: str) -> list[dic
         if file is None or not file.is_file():
             raise SystemExit(f"{flag} {path}: expected a folder with {split}.jsonl (or .json/.parquet), "
                              f"or such a file.")
-        return [normalise_row(r, f"{file}: row {i}") for i, r in enumerate(read_rows(file), 1)]
+        rows = read_rows(file, flag)
+        return [normalise_row(r, f"{file}: row {i}") for i, r in enumerate(rows, 1)]
     try:
         import datasets
     except ImportError:

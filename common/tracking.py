@@ -17,11 +17,12 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
 
 
-def progress_line(step: int, total: int, elapsed: float, metrics: dict, keys: list[str], width: int = 20) -> str:
-    """'[#####-----] 5/10 12s<12s | reward 0.41 ...': a bar, the step, elapsed<ETA, chosen metrics."""
+def progress_line(step: int, total: int, elapsed: float, eta: float, metrics: dict, keys: list[str],
+                  width: int = 20) -> str:
+    """'[#####-----] 5/10 12s<12s | reward 0.41 ...': a bar, the step, elapsed<ETA (``eta`` seconds, e.g.
+    Tracker.eta; nan shows '?'), chosen metrics."""
     frac = step / total if total else 1.0
     bar = "#" * int(width * frac) + "-" * (width - int(width * frac))
-    eta = elapsed / step * (total - step) if step else float("nan")
     parts = []
     for k in keys:
         if k in metrics:
@@ -63,6 +64,7 @@ class Tracker:
             self.wandb = wandb.init(project=project, name=run_name or self.run_dir.name, config=config,
                                     dir=str(self.run_dir), mode=os.environ.get("WANDB_MODE", "online"))
         self.start = time.time()
+        self.last, self.intervals = self.start, []  # (seconds since the previous row, whether it was evaluated)
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -71,8 +73,26 @@ class Tracker:
                "time/elapsed": self.offset + time.time() - self.start}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        now = time.time()
+        self.intervals = (self.intervals + [(now - self.last, "eval/accuracy" in metrics)])[-50:]
+        self.last = now
         if self.wandb is not None:
             self.wandb.log(row, step=step)
+
+    def eta(self, step: int, total: int, eval_every: int, window: int = 10) -> float:
+        """Seconds until update ``total``, from the last ``window`` logged updates without an evaluation (an update's
+        own pace, not the start's: engine start, a FIFO warm-up) plus, for each evaluation still to come (every
+        ``eval_every`` updates and at the end), what the recent evaluated updates took beyond that pace. nan before
+        any update was logged (or on a rank that does not log)."""
+        if not self.enabled:
+            return float("nan")
+        plain = [dt for dt, evaluated in self.intervals[1:] if not evaluated][-window:]  # [0]: since the start
+        if not plain:
+            return float("nan")
+        pace = sum(plain) / len(plain)
+        evals = [dt - pace for dt, evaluated in self.intervals[1:] if evaluated][-3:]
+        to_come = (total // eval_every - step // eval_every + (total % eval_every != 0)) if eval_every > 0 else 0
+        return pace * (total - step) + (max(0.0, sum(evals) / len(evals)) * to_come if evals else 0.0)
 
     def close(self) -> None:
         if not self.enabled:

@@ -11,7 +11,9 @@ import torch
 
 from common import models
 from common.batching import collate, pad_float, response_logprobs
-from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from common.checkpoint import (NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, save_model,
+                               set_rng_state)
+from common.distributed import full_model_state
 from common.engine import (HFEngine, inverse_cdf_sample, left_pad, position_ids_from_mask, sample, sampling_logprobs,
                            weight_payload)
 from common.memory import release_free_memory
@@ -171,6 +173,8 @@ def test_read_rows_skips_blank_lines_and_rejects_empty(tmp_path):
     f.write_text("\n")
     with pytest.raises(SystemExit, match="no rows"):
         read_rows(f)
+    with pytest.raises(SystemExit, match="^--eval-data-path .*a.jsonl: the file has no rows"):
+        read_rows(f, "--eval-data-path")
     with pytest.raises(SystemExit, match="unknown file type '.csv'"):
         read_rows(tmp_path / "a.csv")
 
@@ -414,11 +418,52 @@ def test_shared_prompt_pass_matches_full_sequences(tiny, responses):
 # ------------------------------------------------------------------ tracking and checkpoints
 def test_format_duration_and_progress_line():
     assert [format_duration(x) for x in (12, 75, 3700)] == ["12s", "1m15s", "1h01m"]
-    line = progress_line(5, 10, 50.0, {"charts/reward_mean": 0.5, "eval/accuracy": 0.25}, ["charts/reward_mean",
-                                                                                             "eval/accuracy", "x"])
-    assert line.startswith("[##########----------] 5/10 50s<50s |")
+    line = progress_line(5, 10, 50.0, 40.0, {"charts/reward_mean": 0.5, "eval/accuracy": 0.25},
+                         ["charts/reward_mean", "eval/accuracy", "x"])
+    assert line.startswith("[##########----------] 5/10 50s<40s |")
     assert "reward_mean 0.5" in line and "eval.accuracy 0.25" in line
-    assert "?" in progress_line(0, 10, 0.0, {}, [])
+    assert "?" in progress_line(0, 10, 0.0, float("nan"), {}, [])
+
+
+def test_tracker_eta_uses_recent_updates_and_adds_the_evaluations_to_come(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("common.tracking.time.time", lambda: clock[0])
+    tr = Tracker(tmp_path / "run", {})
+    assert math.isnan(tr.eta(0, 100, 10))
+    clock[0] += 300  # update-0 evaluation after a slow start (engine start): not an update's pace
+    tr.log({"eval/accuracy": 0.1}, 0)
+    steps = [(1, 60.0, False)] + [(v, 2.0, False) for v in range(2, 10)] + [(10, 7.0, True)] + \
+        [(v, 3.0, False) for v in range(11, 21)]  # a slow first update (FIFO warm-up), then 2 s, then 3 s
+    for v, dt, evaluated in steps:
+        clock[0] += dt
+        tr.log({"eval/accuracy": 0.2} if evaluated else {}, v)
+    # pace: the last 10 updates without an evaluation (3 s each); update 10's evaluation cost 7 - 3 = 4 s more;
+    # evaluations to come at updates 30, 40, 50 and at the end (55): 35 x 3 + 4 x 4
+    assert tr.eta(20, 55, 10) == pytest.approx(35 * 3 + 4 * 4)
+    assert tr.eta(20, 55, 0) == pytest.approx(35 * 3)
+    assert tr.eta(20, 60, 10) == pytest.approx(40 * 3 + 4 * 4)  # 30, 40, 50, 60
+    tr.close()
+    assert math.isnan(Tracker(tmp_path / "other", {}, enabled=False).eta(5, 10, 0))
+
+
+def test_save_model_writes_a_folder_from_pretrained_loads(tmp_path, tiny_model_path):
+    model, tok = load_model(tiny_model_path), load_tokenizer(tiny_model_path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    state = full_model_state(model)  # one process: the plain state dict, on the CPU
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    (tmp_path / "m.tmp").mkdir()  # a leftover of a crashed write is replaced
+    out = save_model(model, tok, state, tmp_path / "m")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"] and (out / "model.safetensors").is_file()
+    back, back_tok = load_model(str(out)), load_tokenizer(str(out))
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert back_tok.chat_template == tok.chat_template and back_tok("12 + 3")["input_ids"] == tok("12 + 3")["input_ids"]
+    assert resolve_model(str(out)) == str(out)  # what --model accepts
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="could not write the trained model"):
+        save_model(model, tok, state, tmp_path / "file" / "m")
 
 
 def test_tracker_writes_jsonl_and_config(tmp_path):

@@ -7,8 +7,8 @@ runs agree to float rounding (observed: <= 8e-6 absolute), not bit for bit; a wr
 doubled micro-batch, or a stale weight sync changes them by orders of magnitude more.
 """
 
+import json
 import os
-import sys
 
 import pytest
 import torch
@@ -125,6 +125,15 @@ def test_two_ranks_give_the_one_process_run(name, tiny_model_path, tmp_path):
     diffs = [r["async/logprob_diff"] for r in two if "async/logprob_diff" in r]
     assert diffs and max(diffs) < 1e-4, diffs  # the weight sync from 2 ranks reaches the engine
     assert sorted(os.listdir(tmp_path / "runs")) == ["one", "two"]
+    for run in ("one", "two"):  # the trained policy as an HF folder, no training state left behind
+        folder = tmp_path / "runs" / run
+        assert (folder / "model" / "model.safetensors").is_file() and not (folder / "checkpoint.pt").exists()
+        assert json.loads((folder / "model" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    a, b = load_model(str(tmp_path / "runs" / "one" / "model")), load_model(str(tmp_path / "runs" / "two" / "model"))
+    initial = load_model(tiny_model_path).state_dict()
+    moved = max((w - initial[k]).abs().max().item() for k, w in a.state_dict().items())
+    apart = max((w - b.state_dict()[k]).abs().max().item() for k, w in a.state_dict().items())
+    assert apart <= 1e-2 * moved, (apart, moved)  # the two-rank export holds the one-process weights (fp32 sums)
 
 
 def test_two_rank_checkpoints_resume_on_one_rank_and_back(tiny_model_path, tmp_path):

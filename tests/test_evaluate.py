@@ -73,6 +73,21 @@ def test_a_checkpoint_scores_its_own_weights(tiny_model_path, tmp_path):
     assert texts["changed"] != texts["folder"]
 
 
+def test_a_finished_run_folder_is_scored_by_its_trained_model(tiny_model_path, tmp_path):
+    run_script("grpo.py", "--model", tiny_model_path, "--digits", "1", "--prompts-per-batch", "2", "--group-size", "4",
+               "--max-new-tokens", "6", "--eval-size", "8", "--eval-every", "0", "--total-updates", "2",
+               "--learning-rate", "1e-2", "--run-name", "r", cwd=tmp_path)
+    texts = {}
+    for name, model_arg in (("run", str(tmp_path / "runs" / "r")), ("model", str(tmp_path / "runs" / "r" / "model"))):
+        out = tmp_path / name / "res.csv"
+        proc = run_script(SCRIPT, "--model", model_arg, "--benchmarks", "gsm8k", *DATA, "--max-new-tokens", "8",
+                          "--engine-dtype", "float32", "--output", str(out), cwd=tmp_path)
+        assert "checkpoint" not in proc.stdout
+        assert f"[eval] model {tmp_path / 'runs' / 'r' / 'model'}\n" in proc.stdout
+        texts[name] = [json.loads(line)["response"] for line in open(out.with_suffix(".samples.jsonl"))]
+    assert texts["run"] == texts["model"]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--n", "4"], "--temperature 0 is greedy"),
     (["--data-paths", "mmlu=x.json"], "expected NAME=PATH with NAME one of gsm8k, math500"),

@@ -64,6 +64,31 @@ def test_sigkill_after_a_safety_checkpoint_resumes_into_the_uninterrupted_run(ti
     resumed, full = comparable(metrics_of(tmp_path, "killed")), comparable(metrics_of(tmp_path, "full"))
     assert [r["global_step"] for r in resumed if "losses/policy_loss" in r] == [1, 2, 3, 4, 5, 6]  # one row each
     assert_same_run(resumed, full)
+    assert not (tmp_path / "runs" / "killed" / "checkpoint.pt").exists()  # it finished: the safety checkpoint goes
+
+
+def test_a_finished_run_leaves_its_model_and_no_training_state_unless_asked(tiny_model_path, tmp_path):
+    """Safety checkpoints after every update; a normal finish replaces them by the trained model (an HF folder that
+    --model loads), or keeps the final state with --keep-final-state."""
+    flags = ["--model", tiny_model_path, *FAST, "--total-updates", "3", "--checkpoint-minutes", "1e-9"]
+    proc = run_script("grpo.py", *flags, "--run-name", "safe", cwd=tmp_path)
+    folder = tmp_path / "runs" / "safe"
+    assert sorted(os.listdir(folder)) == ["config.json", "metrics.jsonl", "model"]
+    final = [r for r in metrics_of(tmp_path, "safe") if r["global_step"] == 3 and "eval/accuracy" in r][0]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("done: 3 updates in ") and f"eval/accuracy {final['eval/accuracy']:.4g}; " in last
+    assert last.endswith(f"model {os.path.join('runs', 'safe', 'model')}")
+    trained = load_model(str(folder / "model")).state_dict()
+    assert any(not torch.equal(w, load_model(tiny_model_path).state_dict()[k]) for k, w in trained.items())
+    again = run_script("grpo.py", "--model", str(folder / "model"), *FAST, "--total-updates", "1", "--run-name",
+                       "from_it", cwd=tmp_path)  # --model takes the folder
+    assert "done: 1 updates" in again.stdout
+    proc = run_script("grpo.py", *flags, "--keep-final-state", "--run-name", "kept", cwd=tmp_path)
+    assert torch.load(tmp_path / "runs" / "kept" / "checkpoint.pt", weights_only=False)["update"] == 3
+    assert "training state" in proc.stdout.strip().splitlines()[-1]
+    ck = torch.load(tmp_path / "runs" / "kept" / "checkpoint.pt", weights_only=False)
+    for name, w in load_model(str(tmp_path / "runs" / "kept" / "model")).state_dict().items():
+        assert torch.equal(w, ck["model"][name]), name  # the folder holds the final state's weights
 
 
 def test_sigterm_stops_after_the_update_and_writes_a_checkpoint(tiny_model_path, tmp_path):
@@ -88,7 +113,7 @@ def test_failed_checkpoint_write_ends_the_run_and_keeps_the_previous_one(tiny_mo
     """A directory where the temporary file should go makes torch.save fail (as a full disk would; root ignores
     read-only permissions, so the test blocks the path instead)."""
     run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "2", "--eval-every", "0",
-               "--run-name", "w", cwd=tmp_path)
+               "--keep-final-state", "--run-name", "w", cwd=tmp_path)
     (tmp_path / "runs" / "w" / "checkpoint.pt.tmp").mkdir()
     proc = run_script("grpo.py", "--resume", str(tmp_path / "runs" / "w"), "--total-updates", "3", cwd=tmp_path,
                       check=False)

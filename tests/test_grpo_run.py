@@ -63,7 +63,8 @@ def test_smoke_run_logs_every_metric(tiny_model_path, tmp_path):
                 "async/dropped_samples", "async/logprob_diff", "time/rollout", "time/train_step",
                 "time/weight_sync", "time/trainer_wait", "time/producer_wait"]:
         assert all(key in r for r in train), key
-    assert (tmp_path / "runs" / "smoke" / "checkpoint.pt").is_file()
+    assert (tmp_path / "runs" / "smoke" / "model" / "model.safetensors").is_file()
+    assert not (tmp_path / "runs" / "smoke" / "checkpoint.pt").exists()  # the training state only when asked
 
 
 def synchronous_reference(model_path, seed, updates, P=2, G=4, T=6, lr=2e-6, temperature=0.7):
@@ -175,7 +176,7 @@ def test_weights_are_kept_only_for_versions_the_run_needs(tiny_model_path, tmp_p
     """With staleness s the last batches are generated early; the trainer must not pile up weight payloads for
     versions no batch of the run uses (each is a full copy of the weights)."""
     common = ["--model", tiny_model_path, *FAST, "--staleness", "3", "--eval-every", "0"]
-    run_script("grpo.py", *common, "--total-updates", "6", "--run-name", "s3", cwd=tmp_path)
+    run_script("grpo.py", *common, "--total-updates", "6", "--keep-final-state", "--run-name", "s3", cwd=tmp_path)
     ck = torch.load(tmp_path / "runs" / "s3" / "checkpoint.pt", weights_only=False)
     assert ck["pending_weights"] == []
     # extending that run would need version 3's weights for batch 6: refused with a message
@@ -183,7 +184,8 @@ def test_weights_are_kept_only_for_versions_the_run_needs(tiny_model_path, tmp_p
                       check=False)
     assert proc.returncode != 0 and "did not keep" in proc.stderr and "--total-updates" in proc.stderr
     # at s = 0 the only version an extension needs is the checkpoint's own: extending works
-    run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "2", "--run-name", "s0", cwd=tmp_path)
+    run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "2", "--keep-final-state", "--run-name",
+               "s0", cwd=tmp_path)
     run_script("grpo.py", "--resume", str(tmp_path / "runs" / "s0"), "--total-updates", "4", cwd=tmp_path)
     assert [r["global_step"] for r in metrics_of(tmp_path, "s0") if "losses/policy_loss" in r] == [1, 2, 3, 4]
 
@@ -223,9 +225,9 @@ def test_parameters_change_after_an_update(tiny_model_path, tmp_path):
     run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "2", "--learning-rate", "1e-3",
                "--prompts-per-batch", "6", "--run-name", "p", cwd=tmp_path)
     assert any(r.get("losses/grad_norm", 0) > 0 for r in metrics_of(tmp_path, "p"))
-    ck = torch.load(tmp_path / "runs" / "p" / "checkpoint.pt", weights_only=False)
+    after = load_model(str(tmp_path / "runs" / "p" / "model")).state_dict()  # the trained model the run leaves
     before = load_model(tiny_model_path).state_dict()
-    changed = [n for n, t in ck["model"].items() if not torch.equal(t, before[n])]
+    changed = [n for n, t in after.items() if not torch.equal(t, before[n])]
     assert len(changed) > 0.5 * len(before)
 
 
@@ -237,6 +239,8 @@ def test_parameters_change_after_an_update(tiny_model_path, tmp_path):
     (["--group-size", "1"], "--group-size must be >= 2"),
     (["--checkpoint-minutes", "-1"], "--checkpoint-minutes must be >= 0"),
     (["--max-nonfinite-skips", "-1"], "--max-nonfinite-skips must be >= 0"),
+    (["--prompts-per-batch", "0"], "--prompts-per-batch must be >= 1, got 0"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
 ])
 def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
     args = ["--model", tiny_model_path, *FAST, *flags] if "--model" not in flags else [*FAST, *flags]
@@ -251,6 +255,11 @@ def test_malformed_dataset_row_is_a_clear_error(tiny_model_path, tmp_path):
     proc = run_script("grpo.py", "--model", tiny_model_path, "--task", "gsm8k", "--data-path", str(tmp_path / "gsm"),
                       cwd=tmp_path, check=False, timeout=120)
     assert proc.returncode != 0 and "train.jsonl: row 2 is not valid JSON" in proc.stderr
+    (tmp_path / "gsm" / "train.jsonl").write_text("\n")  # an empty file: the message names the flag
+    proc = run_script("grpo.py", "--model", tiny_model_path, "--task", "gsm8k", "--data-path", str(tmp_path / "gsm"),
+                      cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert f"--data-path {tmp_path / 'gsm' / 'train.jsonl'}: the file has no rows" in proc.stderr
 
 
 def test_gsm8k_trains_from_a_local_folder(tiny_model_path, tmp_path):

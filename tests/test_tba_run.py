@@ -39,7 +39,7 @@ def test_smoke_run_logs_every_metric(tiny_model_path, tmp_path):
     for r in train:
         assert 1 <= r["tba/samples"] <= 2 * 4 and r["tba/buffer_size"] >= r["tba/samples"]
         assert r["async/dropped_samples"] == r["tba/duplicates"] + r["tba/evicted"]
-    assert (tmp_path / "runs" / "smoke" / "checkpoint.pt").is_file()
+    assert (tmp_path / "runs" / "smoke" / "model" / "model.safetensors").is_file()
 
 
 def test_staleness_zero_is_synchronous_on_policy_and_deterministic(tiny_model_path, tmp_path):
@@ -58,7 +58,7 @@ def test_staleness_zero_is_synchronous_on_policy_and_deterministic(tiny_model_pa
 @pytest.mark.parametrize("s", [1, 3])
 def test_recency_draws_are_at_most_staleness_updates_old(tiny_model_path, tmp_path, s):
     run_script("tba.py", "--model", tiny_model_path, *FAST, "--total-updates", "8", "--staleness", str(s),
-               "--eval-every", "0", "--rounds-ahead", "-1", "--run-name", f"s{s}", cwd=tmp_path)
+               "--eval-every", "0", "--rounds-ahead", "-1", "--keep-final-state", "--run-name", f"s{s}", cwd=tmp_path)
     rows = train_rows(tmp_path, f"s{s}")
     assert all(r["tba/recency_age_max"] <= s for r in rows)
     assert any(r["async/staleness_max"] > 0 for r in rows)  # the searcher really lags (free-running, sync every s)
@@ -87,7 +87,7 @@ def test_resume_at_staleness_zero_reproduces_the_uninterrupted_run(tiny_model_pa
 
 def test_resume_free_running_continues_with_the_buffer(tiny_model_path, tmp_path):
     flags = ["--model", tiny_model_path, *FAST, "--staleness", "2", "--eval-every", "0"]
-    run_script("tba.py", *flags, "--total-updates", "3", "--run-name", "r", cwd=tmp_path)
+    run_script("tba.py", *flags, "--total-updates", "3", "--keep-final-state", "--run-name", "r", cwd=tmp_path)
     ck = torch.load(tmp_path / "runs" / "r" / "checkpoint.pt", weights_only=False)
     saved = {p: [tuple(h["response"]) for h in items] for p, items in ck["buffer"].items()}
     assert ck["update"] == 3 and saved

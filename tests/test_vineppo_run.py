@@ -59,7 +59,7 @@ def test_truncated_trajectories_and_mc_rollouts_score_zero(tiny_model_path, tmp_
 
 def test_critic_smoke_logs_value_loss_and_saves_the_critic(tiny_model_path, tmp_path):
     run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--value-estimator", "critic", "--total-updates", "3",
-               "--critic-head-learning-rate", "1e-2", "--run-name", "critic", cwd=tmp_path)
+               "--critic-head-learning-rate", "1e-2", "--keep-final-state", "--run-name", "critic", cwd=tmp_path)
     train = train_rows(tmp_path, "critic")
     for key in SHARED_KEYS + VINE_KEYS + ["losses/value_loss"]:
         assert all(key in r for r in train), key
@@ -99,7 +99,8 @@ def test_on_policy_fp32_ratio_is_one_and_clip_never_fires(tiny_model_path, tmp_p
 def test_ratio_guard_skips_updates_and_counts_them(tiny_model_path, tmp_path):
     """A guard below the on-policy mean ratio (~1) trips on every update: nothing is trained, every skip counted."""
     run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--total-updates", "3",
-               "--ratio-guard", "0.5", "--learning-rate", "1e-2", "--eval-every", "0", "--run-name", "g", cwd=tmp_path)
+               "--ratio-guard", "0.5", "--learning-rate", "1e-2", "--eval-every", "0", "--keep-final-state",
+               "--run-name", "g", cwd=tmp_path)
     assert [r["vineppo/skipped_batches"] for r in train_rows(tmp_path, "g")] == [1, 2, 3]
     ck = torch.load(tmp_path / "runs" / "g" / "checkpoint.pt", weights_only=False)
     before = load_model(tiny_model_path).state_dict()

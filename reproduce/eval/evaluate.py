@@ -3,8 +3,8 @@
     python reproduce/eval/evaluate.py --benchmarks gsm8k math500 \
         --data-paths gsm8k=data/gsm8k/test.jsonl math500=data/test_math500.json
 
-``--model`` takes a model folder, a hub id, 'default' (the embedded SmolLM2-135M-Instruct) or a training
-run's checkpoint (``runs/<run>/checkpoint.pt`` or the run folder). Without ``--data-paths NAME=PATH`` a
+``--model`` takes a model folder, a hub id, 'default' (the embedded SmolLM2-135M-Instruct), a training run's
+folder (``runs/<run>``: the trained ``model/`` it leaves, else its ``checkpoint.pt``) or a checkpoint.pt. Without ``--data-paths NAME=PATH`` a
 benchmark is loaded from the hub. Results go to the console and to ``--output`` (CSV, one row per
 benchmark); every sample goes to a jsonl next to it. ``--temperature 0`` is greedy decoding (then n = 1).
 """
@@ -33,7 +33,8 @@ from common.verifiers import check_answer
 @dataclass
 class Args:
     model: str = "default"
-    """a model folder, a hub id, 'default' (embedded SmolLM2-135M-Instruct) or a run's checkpoint.pt / run folder"""
+    """a model folder, a hub id, 'default' (embedded SmolLM2-135M-Instruct), a run folder (its trained model/, else
+    its checkpoint.pt) or a checkpoint.pt"""
     benchmarks: list[str] = field(default_factory=lambda: ["math500"])
     """benchmarks to score: any of gsm8k, math500, aime24, amc23, minerva, olympiadbench"""
     data_paths: list[str] = field(default_factory=list)
@@ -88,10 +89,12 @@ if __name__ == "__main__":
     if unknown:
         raise SystemExit(f"--benchmarks {' '.join(unknown)}: unknown; choose from {', '.join(BENCHMARKS)}")
 
-    # ---- the model: a folder / hub id, or a training checkpoint on top of its base model
+    # ---- the model: a folder / hub id, a run folder (its trained model/), or a training checkpoint on its base model
     state = None
+    if os.path.isfile(os.path.join(args.model, "model", "config.json")):  # a finished run's folder
+        args.model = os.path.join(args.model, "model")
     run_ckpt = os.path.join(args.model, "checkpoint.pt")
-    ckpt_file = run_ckpt if os.path.isfile(run_ckpt) else args.model  # a run folder holds checkpoint.pt
+    ckpt_file = run_ckpt if os.path.isfile(run_ckpt) else args.model  # an interrupted run's folder holds checkpoint.pt
     if ckpt_file.endswith(".pt"):
         if not os.path.isfile(ckpt_file):
             raise SystemExit(f"--model {args.model}: no checkpoint file {ckpt_file}")
@@ -101,6 +104,7 @@ if __name__ == "__main__":
         model_path = resolve_model(base)
     else:
         model_path = resolve_model(args.model)
+        print(f"[eval] model {model_path}", flush=True)
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path)
     if state is not None:

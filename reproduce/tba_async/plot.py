@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sweep import curves, figure, final_values, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv, save
+from sweep import curves, figure, final_values, markdown_table, plot_args, plot_curves, pm, read_csv, save
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ORDER = ["GRPO (synchronous)", "TBA k=2, m=0.5", "TBA k=2, m=0.95", "TBA k=2, m=1.0", "TBA k=16, m=0.95"]
