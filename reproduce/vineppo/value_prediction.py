@@ -1,7 +1,8 @@
 # VinePPO's key claim at small scale: how well do Monte Carlo value estimates (K fresh completions) and a learned
 # critic predict the true success probability of a state (prompt + partial response)?
 # Paper: "VinePPO: Refining Credit Assignment in RL Training of LLMs", arXiv 2410.01679 (sec. 7, value prediction).
-# Input: a checkpoint of `algorithms/vineppo.py --value-estimator critic`: its policy defines the states and the
+# Input: the checkpoint of `algorithms/vineppo.py --value-estimator critic --keep-final-state` (the critic is in the
+# training state, not in the model folder a run leaves): its policy defines the states and the
 # truth, its critic is one of the two estimators. Docs: docs/vineppo.md ("Value prediction").
 import csv
 import os
