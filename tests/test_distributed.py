@@ -27,7 +27,7 @@ RUNS = {  # per script: flags whose 2-rank run exercises the algorithm's own pat
     "grpo": ["grpo.py", *G, "--prompts-per-batch", "4", "--group-size", "4", "--micro-batch-size", "4",
              "--staleness", "2", "--learning-rate", "1e-2", "--kl-coef", "0.05", "--temperature", "1.0"],
     "m2po": ["m2po.py", *G, "--prompts-per-batch", "4", "--group-size", "8", "--micro-batch-size", "8",
-             "--staleness", "2", "--learning-rate", "1e-2", "--tau", "0.001"],
+             "--staleness", "2", "--updates-per-batch", "1", "--learning-rate", "1e-2", "--tau", "0.001"],
     "dapo": ["dapo.py", "--digits", "1", "--prompts-per-batch", "2", "--group-size", "4", "--max-new-tokens", "3",
              "--overlong-buffer", "1", "--eval-size", "8", "--eval-every", "2", "--max-sampling-rounds", "50",
              "--total-updates", "6", "--staleness", "2", "--updates-per-batch", "2", "--micro-batch-size", "1",
