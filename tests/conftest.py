@@ -1,10 +1,15 @@
+import importlib
+import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from common.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -109,3 +114,86 @@ def run_torchrun(script: str, *flags: str, cwd, nproc: int = 2, timeout: int = 3
         raise AssertionError(f"torchrun {script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
                              f"stderr:\n{proc.stderr[-5000:]}")
     return proc
+
+
+# ---------------------------------------------------------------- every script's own copy of a shared helper
+def own_copies(name: str, besides: tuple[str, ...] = ()) -> list:
+    """Every algorithms/ script's own copy of the module-level function ``name``, as pytest params named after the
+    script: each script keeps its own copies of the loss helpers (one file = one algorithm), so a test of a helper
+    runs on each copy. ``besides``: scripts whose copy differs on purpose and has its own test there."""
+    scripts = [p.stem for p in sorted((ROOT / "algorithms").glob("*.py"))
+               if re.search(rf"^def {name}\(", p.read_text(), re.MULTILINE)]
+    assert set(besides) <= set(scripts), f"{besides} do not define {name}: {scripts}"
+    return [pytest.param(getattr(importlib.import_module(s), name), id=s) for s in scripts if s not in besides]
+
+
+# ---------------------------------------------------------------- helpers the run tests share
+FAST = ["--digits", "1", "--prompts-per-batch", "2", "--group-size", "4", "--max-new-tokens", "6", "--eval-size", "8",
+        "--eval-every", "2"]
+NOT_TIMING = lambda k: not (k.startswith("time/") or k.endswith("tokens_per_sec") or k == "async/queue_size")
+
+
+def metrics_of(cwd, name):
+    return read_metrics(cwd / "runs" / name / "metrics.jsonl")
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if NOT_TIMING(k)} for r in rows]
+
+
+def assert_same_run(a, b):
+    """Two runs' comparable metrics are the same run: identical steps, keys and counts, floats within 1e-5.
+
+    Float reductions on CPU are not bit-reproducible across processes while the producer thread runs: CI once saw
+    losses/grad_norm differ by 2 ulp at an update before the interruption (every other value, and every later
+    update, identical). A resume or seeding bug changes samples, rewards and losses far beyond 1e-5."""
+    assert len(a) == len(b), (len(a), len(b))
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys(), (ra.get("global_step"), ra.keys() ^ rb.keys())
+        for key, va in ra.items():
+            if isinstance(va, float) or isinstance(rb[key], float):
+                assert rb[key] == pytest.approx(va, rel=1e-5, abs=1e-6), (ra["global_step"], key, va, rb[key])
+            else:
+                assert rb[key] == va, (ra["global_step"], key, va, rb[key])
+
+
+RANK_TIMING = ("time/", "tokens_per_sec", "async/queue_size", "time_frac")
+
+
+def assert_same_run_across_ranks(one: list[dict], two: list[dict]):
+    """A one-process run and its run on several trainer ranks: rel 1e-4 / abs 1e-5 on every logged number except
+    timings (tests/test_distributed.py's docstring says why)."""
+    assert len(one) == len(two) and len(one) > 1, (len(one), len(two))
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys(), (a["global_step"], a.keys() ^ b.keys())
+        for k, v in a.items():
+            if isinstance(v, (int, float)) and not any(t in k for t in RANK_TIMING):
+                assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-5), (a["global_step"], k, v, b[k])
+
+
+# ---------------------------------------------------------------- markers (registered in pyproject.toml)
+# unit: runs in-process, in seconds (`pytest -m unit`, the fast loop); run: starts a subprocess (an algorithm or
+# reproduce script, a launch file's dry run, an interpreter); torchrun: starts torchrun; vllm: starts vLLM.
+SLOW_MARKERS = ("run", "torchrun", "vllm")
+STARTS = {"run": re.compile(r"\brun_script\(|\bsubprocess\."), "torchrun": re.compile(r"\brun_torchrun\(")}
+FIXTURE_MARKERS = {"toy_path": "run", "tiny_vllm_model_path": "vllm"}  # session fixtures that start those
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Every test without ``run``, ``torchrun`` or ``vllm`` (set by its module's ``pytestmark`` or on the test) gets
+    ``unit``. A test whose own code calls run_script, run_torchrun or subprocess, or that uses a fixture starting a
+    script or vLLM, without the matching marker is a collection error, so the fast loop stays fast."""
+    missing = []
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        if not marks & set(SLOW_MARKERS):
+            item.add_marker(pytest.mark.unit)
+        source = inspect.getsource(item.function) if hasattr(item, "function") else ""
+        needs = {mark for mark, pattern in STARTS.items() if pattern.search(source)}
+        needs |= {FIXTURE_MARKERS[f] for f in getattr(item, "fixturenames", ()) if f in FIXTURE_MARKERS}
+        if needs - marks:
+            missing.append(f"{item.nodeid}: mark it {', '.join(sorted(needs - marks))}")
+    if missing:
+        raise pytest.UsageError("a test that starts a subprocess, torchrun or vLLM needs its marker (tests/conftest.py):"
+                                "\n  " + "\n  ".join(missing))

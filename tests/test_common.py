@@ -222,6 +222,7 @@ def test_convert_gguf_produces_a_loadable_folder(tmp_path, monkeypatch, default_
 
 def test_load_model_unknown_hub_id_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # read once, when the hub was imported
     with pytest.raises(SystemExit, match="could not load it"):
         load_model("asyncrl-test/does-not-exist")
 

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.run  # both start an interpreter: a bare one, or the copied script
+
 
 def clean_env() -> dict:
     """The environment without anything that would put this repository on the module path."""

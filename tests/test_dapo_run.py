@@ -3,8 +3,9 @@ round limit, overlong filtering, resume, and equivalence with grpo.py when every
 
 import pytest
 
-from conftest import run_script
-from test_grpo_run import FAST, assert_same_run, comparable, metrics_of
+from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
+
+pytestmark = pytest.mark.run
 
 DAPO_KEYS = ["dapo/groups_generated", "dapo/groups_kept", "dapo/sampling_rounds", "dapo/overlong_filtered_frac",
              "dapo/overlong_penalty_mean", "async/dropped_samples"]

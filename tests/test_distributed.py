@@ -13,14 +13,13 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, run_script, run_torchrun
+from conftest import ROOT, assert_same_run_across_ranks, run_script, run_torchrun
 from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,
                                 is_sharded, load_full_state_dicts, merge_ranks, shard_model, shutdown)
 from common.engine import engine_gpus
 from common.models import load_model
 from common.tracking import read_metrics
 
-TIMING = ("time/", "tokens_per_sec", "async/queue_size", "time_frac")
 PRECISE = ["--no-bf16", "--engine-dtype", "float32"]
 G = ["--digits", "1", "--max-new-tokens", "6", "--eval-size", "8", "--eval-every", "2", "--total-updates", "6"]
 RUNS = {  # per script: flags whose 2-rank run exercises the algorithm's own path (staleness, clipping, masking ...)
@@ -45,15 +44,6 @@ RUNS = {  # per script: flags whose 2-rank run exercises the algorithm's own pat
                        "--updates-per-batch", "2", "--epochs", "2", "--micro-batch-size", "5", "--learning-rate", "1e-2",
                        "--kl-coef", "0.1", "--ratio-guard", "1.03"],
 }
-
-
-def assert_same_run(one: list[dict], two: list[dict]):
-    assert len(one) == len(two) and len(one) > 1, (len(one), len(two))
-    for a, b in zip(one, two):
-        assert a.keys() == b.keys(), (a["global_step"], a.keys() ^ b.keys())
-        for k, v in a.items():
-            if isinstance(v, (int, float)) and not any(t in k for t in TIMING):
-                assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-5), (a["global_step"], k, v, b[k])
 
 
 def runs_of(cwd, name):
@@ -103,6 +93,7 @@ def test_engine_gpus_are_the_nodes_gpus_after_the_trainers(monkeypatch):
 
 
 # ---------------------------------------------------------------- the helpers on two ranks
+@pytest.mark.torchrun
 def test_helpers_on_two_ranks(tiny_model_path, tmp_path):
     """Sharded gradients = one-process gradients of the whole batch; state dicts round-trip (and load into a plain
     model); the weight payload is gathered on rank 0 and an engine loaded with it matches the sharded trainer;
@@ -112,6 +103,8 @@ def test_helpers_on_two_ranks(tiny_model_path, tmp_path):
 
 
 # ---------------------------------------------------------------- every script: one process vs two ranks
+@pytest.mark.run
+@pytest.mark.torchrun
 @pytest.mark.parametrize("name", list(RUNS))
 def test_two_ranks_give_the_one_process_run(name, tiny_model_path, tmp_path):
     script, *flags = RUNS[name]
@@ -121,7 +114,7 @@ def test_two_ranks_give_the_one_process_run(name, tiny_model_path, tmp_path):
     assert "2 trainer rank(s) on cpu" in proc.stdout and "done: 6 updates" in proc.stdout
     assert proc.stdout.count("done: 6 updates") == 1  # rank 0 alone prints and logs
     one, two = runs_of(tmp_path, "one"), runs_of(tmp_path, "two")
-    assert_same_run(one, two)
+    assert_same_run_across_ranks(one, two)
     diffs = [r["async/logprob_diff"] for r in two if "async/logprob_diff" in r]
     assert diffs and max(diffs) < 1e-4, diffs  # the weight sync from 2 ranks reaches the engine
     assert sorted(os.listdir(tmp_path / "runs")) == ["one", "two"]
@@ -136,6 +129,8 @@ def test_two_ranks_give_the_one_process_run(name, tiny_model_path, tmp_path):
     assert apart <= 1e-2 * moved, (apart, moved)  # the two-rank export holds the one-process weights (fp32 sums)
 
 
+@pytest.mark.run
+@pytest.mark.torchrun
 def test_two_rank_checkpoints_resume_on_one_rank_and_back(tiny_model_path, tmp_path):
     script, *flags = RUNS["grpo"]
     flags = ["--model", tiny_model_path, *PRECISE, *flags]
@@ -149,10 +144,11 @@ def test_two_rank_checkpoints_resume_on_one_rank_and_back(tiny_model_path, tmp_p
     assert proc.returncode == 130
     run_torchrun(script, "--resume", str(tmp_path / "runs" / "one_then_two"), cwd=tmp_path)
     whole = runs_of(tmp_path, "whole")
-    assert_same_run(whole, runs_of(tmp_path, "two_then_one"))
-    assert_same_run(whole, runs_of(tmp_path, "one_then_two"))
+    assert_same_run_across_ranks(whole, runs_of(tmp_path, "two_then_one"))
+    assert_same_run_across_ranks(whole, runs_of(tmp_path, "one_then_two"))
 
 
+@pytest.mark.torchrun
 def test_micro_batches_that_cannot_be_dealt_to_the_ranks_are_refused(tiny_model_path, tmp_path):
     proc = run_torchrun("grpo.py", "--model", tiny_model_path, "--prompts-per-batch", "2", "--group-size", "4",
                         "--micro-batch-size", "3", cwd=tmp_path, check=False)
@@ -160,6 +156,7 @@ def test_micro_batches_that_cannot_be_dealt_to_the_ranks_are_refused(tiny_model_
     assert "makes 3 micro-batches of --micro-batch-size 3, which cannot be dealt evenly to 2 trainer ranks" in proc.stderr
 
 
+@pytest.mark.run
 def test_vllm_gpus_without_gpus_is_refused(tiny_model_path, tmp_path):
     proc = run_script("grpo.py", "--model", tiny_model_path, "--vllm-gpus", "1", "--total-updates", "1", cwd=tmp_path,
                       check=False)
@@ -202,6 +199,7 @@ def dry_run(*argv, node_rank="0") -> list[str]:
                                       text=True).stdout)
 
 
+@pytest.mark.run  # the launch files' DRY_RUN, in bash
 @pytest.mark.parametrize("paper", list(PAPER_SETTINGS))
 @pytest.mark.parametrize("mode,world", [("colocated", 1), ("node", 6), ("nodes", 14)])
 def test_launch_script_flags_parse_and_split_over_its_ranks(paper, mode, world):
@@ -243,6 +241,7 @@ def test_launch_script_flags_parse_and_split_over_its_ranks(paper, mode, world):
         assert one[one.index("--nproc-per-node") + 1] == "8" and argv[argv.index("--nproc-per-node") + 1] == "6"
 
 
+@pytest.mark.run
 def test_launch_script_without_a_paper_runs_m2po():
     """The original usage, reproduce/scale/launch.sh <mode>, still launches M2PO's settings."""
     assert dry_run(SCALE / "launch.sh", "node") == dry_run(SCALE / "launch.sh", "m2po", "node")

@@ -35,6 +35,7 @@ def read_outputs(tmp_path):
     return table, samples
 
 
+@pytest.mark.run
 def test_scores_match_the_samples_written(tiny_model_path, tmp_path):
     run_script(SCRIPT, "--model", tiny_model_path, "--benchmarks", "gsm8k", "amc23", *DATA, "--n", "3",
                "--temperature", "1.0", "--max-new-tokens", "6", "--limit", "2", "--output", str(tmp_path / "res.csv"),
@@ -50,6 +51,7 @@ def test_scores_match_the_samples_written(tiny_model_path, tmp_path):
         assert float(row["pass@3"]) == pytest.approx(np.mean(per_problem), abs=1e-4)
 
 
+@pytest.mark.run
 def test_a_checkpoint_scores_its_own_weights(tiny_model_path, tmp_path):
     from common.models import load_model
 
@@ -73,6 +75,7 @@ def test_a_checkpoint_scores_its_own_weights(tiny_model_path, tmp_path):
     assert texts["changed"] != texts["folder"]
 
 
+@pytest.mark.run
 def test_a_finished_run_folder_is_scored_by_its_trained_model(tiny_model_path, tmp_path):
     run_script("grpo.py", "--model", tiny_model_path, "--digits", "1", "--prompts-per-batch", "2", "--group-size", "4",
                "--max-new-tokens", "6", "--eval-size", "8", "--eval-every", "0", "--total-updates", "2",
@@ -96,6 +99,7 @@ def test_a_finished_run_folder_is_scored_by_its_trained_model(tiny_model_path, t
      "grpo checks a plain number"),
     (["--model", "/nowhere/checkpoint.pt"], "no checkpoint file"),
 ])
+@pytest.mark.run
 def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
     args = ["--model", tiny_model_path, "--benchmarks", "gsm8k", *DATA] + flags
     proc = run_script(SCRIPT, *args, "--output", str(tmp_path / "r.csv"), cwd=tmp_path, check=False, timeout=120)

@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, run_script
+from conftest import FAST, ROOT, assert_same_run, comparable, metrics_of, run_script
 from common.models import load_model
-from test_grpo_run import FAST, assert_same_run, comparable, metrics_of
+
+pytestmark = pytest.mark.run
 
 EXTRA = {"dapo.py": ["--max-sampling-rounds", "50"], "vineppo.py": ["--mc-samples", "2"]}  # each script's fast settings
 

@@ -1,4 +1,9 @@
-"""GRPO's pure functions against independent re-computations of the formulas (DeepSeekMath sec. 4.1)."""
+"""GRPO's pure functions against independent re-computations of the formulas (DeepSeekMath sec. 4.1).
+
+The loss helpers every script keeps its own copy of (group_advantages, clipped_surrogate, k3_kl, aggregate) are tested
+here on each copy (``own_copies``: the scripts that define the function); a copy that differs on purpose (dapo.py's
+clip-higher surrogate, vineppo.py's clamped k3) is tested in its script's own test file.
+"""
 
 import math
 
@@ -6,24 +11,44 @@ import numpy as np
 import pytest
 import torch
 
-from grpo import (aggregate, batch_version, clipped_surrogate, default_eval_every, default_updates,
-                  group_advantages, k3_kl, run_plan)
+from conftest import own_copies
+from grpo import batch_version, default_eval_every, default_updates, run_plan
+
+GROUP_ADVANTAGES = own_copies("group_advantages")
+CLIPPED_SURROGATE = own_copies("clipped_surrogate", besides=("dapo",))  # dapo: eps_low / eps_high, test_dapo_loss.py
+K3_KL = own_copies("k3_kl", besides=("vineppo",))  # vineppo clamps the value to [0, 10]: test_vineppo_loss.py
+AGGREGATE = own_copies("aggregate")
 
 
-def test_group_advantages_match_numpy_zscore():
+@pytest.mark.parametrize("group_advantages", GROUP_ADVANTAGES)
+def test_group_advantages_match_numpy_zscore(group_advantages):
     r = np.array([[1, 0, 0, 1, 1, 0, 0, 0], [0.5, 0.25, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
     expected = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
     got = group_advantages(torch.tensor(r, dtype=torch.float32), scale_std=True, eps=1e-6)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_group_advantages_all_equal_rewards_are_zero():
+@pytest.mark.parametrize("group_advantages", GROUP_ADVANTAGES)
+def test_group_advantages_add_eps_to_the_std_not_inside_the_square_root(group_advantages):
+    """DeepSeekMath eq. 4 as verl computes it: (R - mean) / (std + eps). A large eps, and a near-constant group whose
+    std is small next to eps, tell it from (R - mean) / sqrt(var + eps) (with eps 1e-6 and 0/1 rewards the two agree
+    to 1e-12)."""
+    r = np.array([[1, 0, 0, 1, 1, 0, 0, 0], [0.5] * 7 + [0.501]])
+    for eps in (1e-6, 0.5):
+        expected = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + eps)
+        got = group_advantages(torch.tensor(r, dtype=torch.float64), scale_std=True, eps=eps)
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("group_advantages", GROUP_ADVANTAGES)
+def test_group_advantages_all_equal_rewards_are_zero(group_advantages):
     for value in (0.0, 1.0):
         got = group_advantages(torch.full((3, 8), value))
         assert torch.equal(got, torch.zeros(3, 8))
 
 
-def test_dr_grpo_advantages_keep_only_mean_baseline():
+@pytest.mark.parametrize("group_advantages", GROUP_ADVANTAGES)
+def test_dr_grpo_advantages_keep_only_mean_baseline(group_advantages):
     r = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
     got = group_advantages(r, scale_std=False)
     torch.testing.assert_close(got, torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
@@ -42,8 +67,9 @@ def reference_clip_loss(logp, logp_old, adv, eps):
     return loss, clipped
 
 
+@pytest.mark.parametrize("clipped_surrogate", CLIPPED_SURROGATE)
 @pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # near on-policy, moderate and extreme ratios
-def test_clipped_surrogate_matches_reference(scale):
+def test_clipped_surrogate_matches_reference(scale, clipped_surrogate):
     g = torch.Generator().manual_seed(0)
     logp_old = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 5
     logp = logp_old + torch.randn(4, 6, generator=g, dtype=torch.float64) * scale
@@ -56,7 +82,8 @@ def test_clipped_surrogate_matches_reference(scale):
     torch.testing.assert_close(ratio, torch.exp(logp - logp_old))
 
 
-def test_ratio_one_gives_minus_advantage_and_no_clipping():
+@pytest.mark.parametrize("clipped_surrogate", CLIPPED_SURROGATE)
+def test_ratio_one_gives_minus_advantage_and_no_clipping(clipped_surrogate):
     logp = torch.randn(3, 5)
     adv = torch.tensor([1.0, -2.0, 0.5])
     loss, ratio, clipped = clipped_surrogate(logp, logp.clone(), adv, 0.2)
@@ -65,7 +92,8 @@ def test_ratio_one_gives_minus_advantage_and_no_clipping():
     torch.testing.assert_close(loss, -adv[:, None].expand(3, 5))
 
 
-def test_extreme_ratios_are_clipped_on_the_right_side():
+@pytest.mark.parametrize("clipped_surrogate", CLIPPED_SURROGATE)
+def test_extreme_ratios_are_clipped_on_the_right_side(clipped_surrogate):
     logp_old = torch.zeros(2, 1)
     logp = torch.tensor([[20.0], [-20.0]])  # r = e^20 and e^-20
     # positive advantage, huge ratio: clipped at 1 + eps, no gradient
@@ -79,7 +107,8 @@ def test_extreme_ratios_are_clipped_on_the_right_side():
     assert not clipped.any() and loss.item() == pytest.approx(math.exp(20.0), rel=1e-5)
 
 
-def test_clipped_tokens_get_no_gradient():
+@pytest.mark.parametrize("clipped_surrogate", CLIPPED_SURROGATE)
+def test_clipped_tokens_get_no_gradient(clipped_surrogate):
     logp = torch.tensor([[1.0, 0.0]], requires_grad=True)
     loss, _, clipped = clipped_surrogate(logp, torch.zeros(1, 2), torch.tensor([1.0]), 0.2)
     loss.sum().backward()
@@ -87,7 +116,8 @@ def test_clipped_tokens_get_no_gradient():
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(-1.0)
 
 
-def test_k3_matches_formula_and_is_nonnegative():
+@pytest.mark.parametrize("k3_kl", K3_KL)
+def test_k3_matches_formula_and_is_nonnegative(k3_kl):
     logp = torch.tensor([-1.0, -2.0, -0.1, -30.0])
     ref = torch.tensor([-1.0, -1.0, -3.0, -0.5])
     d = np.clip(logp.numpy() - ref.numpy(), -10, 10)
@@ -95,7 +125,8 @@ def test_k3_matches_formula_and_is_nonnegative():
     assert (k3_kl(logp, ref) >= 0).all() and k3_kl(logp, logp).abs().max() == 0
 
 
-def test_aggregation_modes_with_padding():
+@pytest.mark.parametrize("aggregate", AGGREGATE)
+def test_aggregation_modes_with_padding(aggregate):
     loss = torch.tensor([[1.0, 2.0, 3.0, 99.0], [4.0, 99.0, 99.0, 99.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
     assert aggregate(loss, mask, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
@@ -108,9 +139,11 @@ def test_aggregation_modes_with_padding():
     assert aggregate(loss, torch.zeros_like(mask), "token-mean").item() == 0.0  # empty batch: no NaN
 
 
+@pytest.mark.parametrize("aggregate", AGGREGATE)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batch_aggregates_sum_to_the_minibatch_value(mode):
-    """Gradient accumulation: each micro-batch normalised by the minibatch's counts sums to the whole value."""
+def test_micro_batch_aggregates_sum_to_the_minibatch_value(mode, aggregate):
+    """Gradient accumulation: each micro-batch normalised by the minibatch's counts (num_seqs, num_tokens) sums to the
+    whole value (token-mean: DAPO eq. 10; seq-mean-token-mean: GRPO eq. 3; seq-mean-token-sum-norm: Dr. GRPO)."""
     g = torch.Generator().manual_seed(0)
     loss = torch.randn(7, 5, generator=g)
     lengths = torch.tensor([5, 1, 3, 4, 2, 5, 1])

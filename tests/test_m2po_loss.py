@@ -57,7 +57,10 @@ def test_cutoff_matches_brute_force(seed):
 def test_cutoff_edge_cases():
     assert m2_cutoff(torch.tensor([]), 0.04) == math.inf  # no active tokens
     assert m2_cutoff(torch.tensor([0.01, 0.03, 0.05]), 0.04) == math.inf  # mean 0.03 <= tau: no constraint
-    assert m2_cutoff(torch.tensor([0.02, 0.06]), 0.04) == math.inf  # mean exactly tau: no constraint
+    # mean exactly tau: no constraint (the official rule: none while mean(v) <= tau). Binary fractions, so that the
+    # float32 mean is tau exactly (0.02 and 0.06 average to 0.0399999991 in float32, below tau)
+    exact = torch.tensor([0.03125, 0.09375])
+    assert exact.mean().item() == 0.0625 and m2_cutoff(exact, 0.0625) == math.inf
     # a single huge outlier: the cutoff sits at the bulk's value, only the outlier is held back
     assert m2_cutoff(torch.tensor([0.001] * 99 + [10.0]), 0.04) == pytest.approx(0.001)
     # capped mean exactly tau at a data value (0.5: (0 + 3 * 0.5) / 4 = 0.375): strictly below is required

@@ -3,8 +3,9 @@ acting on stale data, the ablations, and on-policy equivalence with grpo.py."""
 
 import pytest
 
-from conftest import run_script
-from test_grpo_run import FAST, assert_same_run, comparable, metrics_of
+from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
+
+pytestmark = pytest.mark.run
 
 M2PO_KEYS = ["m2po/M2", "m2po/M2_after", "m2po/active_frac", "m2po/constrained_frac"]
 
@@ -52,6 +53,7 @@ def test_on_policy_m2po_equals_grpo(tiny_model_path, tmp_path):
     run_script("grpo.py", "--model", tiny_model_path, *FAST, *exact, "--run-name", "g", cwd=tmp_path)
     m, g = train_rows(tmp_path, "m"), train_rows(tmp_path, "g")
     assert any(r["losses/grad_norm"] > 0 for r in g)
+    assert [r["global_step"] for r in m] == [r["global_step"] for r in g] == [1, 2, 3]  # the zip meets every update
     for a, b in zip(m, g):
         assert a["m2po/M2"] < 1e-8 and a["losses/clipfrac"] == 0 and a["m2po/constrained_frac"] == 0
         for key in ("losses/policy_loss", "charts/reward_mean", "losses/grad_norm", "eval/accuracy"):

@@ -4,8 +4,9 @@
 import pytest
 import torch
 
-from conftest import run_script
-from test_grpo_run import FAST, assert_same_run, comparable, metrics_of
+from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
+
+pytestmark = pytest.mark.run
 
 PPO_KEYS = ["losses/behav_weight_mean", "losses/behav_weight_max", "losses/behav_capped_frac",
             "losses/prox_ratio_mean", "losses/prox_ratio_max"]

@@ -92,6 +92,7 @@ def test_run_jobs_refuses_bad_settings_and_runs_with_other_flags(tmp_path):
     assert sweep.run_jobs([job], tmp_path) == {"a": 3.0}  # finished with the same flags: reused, not re-run
 
 
+@pytest.mark.run  # sweep.run_jobs starts grpo.py
 def test_run_jobs_stops_on_a_failing_run_with_its_log(tmp_path):
     job = sweep.Job("bad", "grpo", ["--no-such-flag"])
     with pytest.raises(RuntimeError, match="run bad failed") as err:
@@ -99,6 +100,7 @@ def test_run_jobs_stops_on_a_failing_run_with_its_log(tmp_path):
     assert "no-such-flag" in str(err.value) and not (tmp_path / "runs" / "bad" / "done").exists()
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("name", FIGURES)
 def test_plot_script_draws_the_committed_csv(name, tmp_path):
     png = tmp_path / f"{name}.png"
@@ -109,6 +111,7 @@ def test_plot_script_draws_the_committed_csv(name, tmp_path):
     assert "|---|" in proc.stdout  # the table the README carries
 
 
+@pytest.mark.run
 def test_tiny_side_by_side_run_writes_a_csv_the_plot_reads(toy_path, tmp_path):
     csv_path, work = tmp_path / "sbs.csv", tmp_path / "work"
     cmd = [sys.executable, str(ROOT / "reproduce" / "side_by_side" / "run.py"), "--model", str(toy_path), "--algos",

@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
-from conftest import run_script
-from test_grpo_run import FAST, assert_same_run, comparable, metrics_of
+from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
+
+pytestmark = pytest.mark.run
 
 TBA_KEYS = ["losses/policy_loss", "losses/kl", "losses/entropy", "losses/grad_norm", "tba/logZ_mean", "tba/logZ_std",
             "tba/residual_abs_mean", "tba/beta", "tba/buffer_size", "tba/buffer_prompts", "tba/recency_frac",

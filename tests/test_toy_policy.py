@@ -52,6 +52,7 @@ def test_build_config_and_bad_shapes():
         toy.build_config(toy.build_tokenizer(), hidden_size=100, num_heads=3)
 
 
+@pytest.mark.run
 def test_tiny_build_loads_and_records_its_warm_start(toy_path):
     path = resolve_model(str(toy_path))
     tok, model = load_tokenizer(path), load_model(path)
@@ -65,6 +66,7 @@ def test_tiny_build_loads_and_records_its_warm_start(toy_path):
     assert 0.0 <= manifest["eval_accuracy"] <= 1.0 and manifest["warm_start_seconds"] >= 0
 
 
+@pytest.mark.run
 def test_tiny_chain_build_records_what_rl_will_meet(tmp_path):
     run_script(SCRIPT, "--task", "chain", "--out", str(tmp_path / "chain"), *TINY, "--eval-max-new-tokens", "24",
                "--stats-prompts", "4", "--stats-samples", "2", cwd=tmp_path, timeout=300)
@@ -79,6 +81,7 @@ def test_tiny_chain_build_records_what_rl_will_meet(tmp_path):
     assert load_model(resolve_model(str(tmp_path / "chain"))).config.max_position_embeddings == 384
 
 
+@pytest.mark.run
 def test_grpo_runs_on_the_toy_policy(toy_path, tmp_path):
     run_script("grpo.py", "--model", str(toy_path), "--digits", "1", "--prompts-per-batch", "2", "--group-size", "4",
                "--max-new-tokens", "6", "--eval-size", "8", "--total-updates", "2", "--eval-every", "2",
@@ -172,12 +175,14 @@ def test_train_into_band_fails_clearly_when_it_never_lands():
     (["--sampled-band", "0.2", "1.5"], "--sampled-band 0.2 1.5: give LOW HIGH"),
     (["--hidden-size", "64", "--num-heads", "3"], "divisible"),
 ])
+@pytest.mark.run
 def test_bad_input_is_a_clear_error(tmp_path, flags, message):
     proc = run_script(SCRIPT, "--out", str(tmp_path / "toy"), *flags, cwd=tmp_path, check=False, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "toy").exists()
 
 
+@pytest.mark.run
 def test_refuses_to_replace_a_folder_that_is_not_a_toy_policy(tmp_path):
     (tmp_path / "toy").mkdir()
     (tmp_path / "toy" / "keep.txt").write_text("mine")

@@ -292,12 +292,28 @@ def test_math_equal_in_a_thread():
     assert _in_thread(check_answer, "boxed", "so \\boxed{0.5}", "\\frac{1}{2}") is True
 
 
-def test_math_verify_default_timeout_fails_in_a_thread():
-    # why the timeouts are disabled: with its defaults math_verify refuses to run outside the main thread
-    from math_verify import parse
+def test_boxed_verifier_asks_math_verify_for_no_signal_timeout(monkeypatch):
+    """Our contract for the producer thread, whatever math_verify's defaults: every parse and verify call passes
+    parsing_timeout=None / timeout_seconds=None (its timeouts are signal.alarm, main thread only). A strict stand-in
+    that refuses any timeout off the main thread leaves the rewards unchanged there."""
+    import math_verify
 
-    with pytest.raises(ValueError, match="thread"):
-        _in_thread(parse, "$\\frac{1}{2}$")
+    calls = []
+
+    def strict(real, timeout_kwarg):
+        def call(*args, **kwargs):
+            calls.append(kwargs.get(timeout_kwarg, "default"))
+            if calls[-1] is not None and threading.current_thread() is not threading.main_thread():
+                raise ValueError(f"{timeout_kwarg}={calls[-1]!r} needs the main thread")
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(math_verify, "parse", strict(math_verify.parse, "parsing_timeout"))
+    monkeypatch.setattr(math_verify, "verify", strict(math_verify.verify, "timeout_seconds"))
+    assert _in_thread(check_answer, "boxed", "so \\boxed{0.5}", "\\frac{1}{2}") is True
+    assert _in_thread(check_answer, "boxed", "so \\boxed{0.4}", "\\frac{1}{2}") is False
+    assert _in_thread(math_equal, "\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}") is True
+    assert len(calls) >= 6 and all(timeout is None for timeout in calls), calls
 
 
 # ------------------------------------------------------------------ registry

@@ -94,6 +94,17 @@ def test_unfinished_completions_score_the_unfinished_reward():
     assert mc_values([(PROMPT, 1)], 3, cut, lambda j, c: 1.0) == [UNFINISHED_REWARD]
 
 
+def test_each_state_is_held_to_its_own_budget_in_one_batched_call():
+    """One generate call serves states with different token budgets (sampling up to the largest); each state's
+    completions are held to its own budget, the tokens its trajectory had left (VinePPO sec. 4: V(s) = (1/K) sum_k
+    R(s + c_k), a completion past the budget scoring UNFINISHED_REWARD). From the prompt every completion of the tree
+    takes 4 tokens, from "a\n" 2 tokens."""
+    states = [((), 3), ((A, NL), 2), ((), 4), ((A, NL), 1)]
+    reward = lambda j, c: float("".join(TEXT[t] for t in [*states[j][0], *c]).endswith("1"))
+    V = mc_values([(PROMPT + list(prefix), budget) for prefix, budget in states], 6, fake_generate, reward)
+    assert V == pytest.approx([UNFINISHED_REWARD, 4 / 6, 2 / 6, UNFINISHED_REWARD])
+
+
 def test_truncated_trajectory_scores_the_unfinished_reward():
     assert UNFINISHED_REWARD == 0.0  # the authors' configs: unfinished_response_penalty 0.0
     assert trajectory_reward(1.0, truncated=True) == 0.0 and trajectory_reward(1.0, truncated=False) == 1.0

@@ -4,9 +4,10 @@ exact staleness with MC values from the behaviour policy, on-policy invariants, 
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
 from common.models import load_model
-from test_grpo_run import FAST, assert_same_run, comparable, metrics_of
+
+pytestmark = pytest.mark.run
 
 SHARED_KEYS = ["charts/reward_mean", "charts/accuracy", "charts/response_length_mean", "charts/truncated_frac",
                "charts/learning_rate", "charts/tokens_per_sec", "charts/gen_tokens_per_sec",

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
 
-from conftest import ROOT, run_script, run_torchrun  # noqa: E402
-from test_grpo_run import FAST as HF_FAST  # noqa: E402
+from conftest import FAST as HF_FAST  # noqa: E402
+from conftest import ROOT, assert_same_run_across_ranks, run_script, run_torchrun  # noqa: E402
 
 from common.batching import collate, pad_float, response_logprobs  # noqa: E402
 from common.engine import VLLMEngine, make_engine, weight_payload  # noqa: E402
@@ -62,6 +63,35 @@ def test_generates_valid_groups(setup):
     # prompts 0 and 2 are identical: their groups are sampled independently, and a group's samples differ
     assert [o["response"] for o in outs[:4]] != [o["response"] for o in outs[8:]]
     assert len({tuple(o["response"]) for o in outs[:4]}) > 1
+
+
+def test_a_weight_update_empties_the_prefix_cache(setup, monkeypatch):
+    """A prompt longer than a KV block (128 tokens on CPU) leaves full blocks in vLLM's prefix cache, keyed by token
+    ids only: after new weights the engine's log-probs must be those of the new weights (the cache is emptied at
+    every load), and without the reset they are not (the old weights' KV of the prompt is reused)."""
+    import copy
+
+    tok, base, engine, _ = setup
+    policy, version = copy.deepcopy(base), engine.version
+    prompts = [encode_prompt(tok, "What is 3 + 4? " * 40 + "Reply with just the number.")]
+    assert len(prompts[0]) > 2 * 128
+    torch.manual_seed(0)
+    try:
+        gaps = []
+        for reset in (True, False):
+            if not reset:  # as if the engine did not empty the cache
+                monkeypatch.setattr(engine.llm, "reset_prefix_cache", lambda *a, **k: True)
+            engine.generate(prompts, n=2, max_new_tokens=8, temperature=T, seed=0)  # caches the prompt's blocks
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            sync(engine, policy, version + 1)
+            outs = engine.generate(prompts, n=2, max_new_tokens=8, temperature=T, seed=0)
+            gaps.append(logprob_gap(policy, tok, prompts, outs, 2)[1])
+        assert gaps[0] < 1e-3 and gaps[1] > 1e-2, gaps
+    finally:
+        monkeypatch.undo()
+        sync(engine, base, version)
 
 
 def test_no_eos_ids_gives_full_length(setup):
@@ -151,8 +181,11 @@ def test_nccl_sync_between_gpus(tiny_vllm_model_path):  # pragma: no cover - GPU
 
     tok = load_tokenizer(tiny_vllm_model_path)
     policy = load_model(tiny_vllm_model_path).to("cuda:0")
-    os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # the engine's process sees the second GPU only
-    engine = VLLMEngine(tiny_vllm_model_path, eos_ids=[tok.eos_token_id], dtype=torch.float32, sync="nccl")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # the engine's processes see the second GPU only; this process's CUDA_VISIBLE_DEVICES is restored after
+    engine = VLLMEngine(tiny_vllm_model_path, eos_ids=[tok.eos_token_id], dtype=torch.float32, sync="nccl",
+                        gpus=["1"])
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.01)
@@ -166,6 +199,7 @@ FAST = [*HF_FAST, "--engine", "vllm", "--vllm-kv-cache-gib", "0.25"]
 EXACT = ["--engine-dtype", "float32", "--no-bf16"]
 
 
+@pytest.mark.run
 def test_grpo_with_vllm_staleness_and_resume(tiny_vllm_model_path, tmp_path):
     """grpo.py --engine vllm at staleness 2 with the default bf16 engine and bf16 autocast trainer: the exact-lag
     pattern, engine log-probs within bf16 rounding of the trainer's on the first batch, a checkpoint carrying the
@@ -193,22 +227,23 @@ def test_grpo_with_vllm_staleness_and_resume(tiny_vllm_model_path, tmp_path):
     assert "eval/accuracy" in rows[-1]
 
 
+@pytest.mark.run
+@pytest.mark.torchrun
 def test_two_trainer_ranks_with_vllm_give_the_one_process_run(tiny_vllm_model_path, tmp_path):
     """Under torchrun the engine runs in its own process (an in-process vLLM would join the trainer's process
     group), synced with the whole payload in one message; the run equals the one-process run (in-process engine)."""
-    from test_distributed import assert_same_run
-
     flags = ["--model", tiny_vllm_model_path, *FAST, *EXACT, "--total-updates", "4", "--staleness", "1",
              "--micro-batch-size", "4"]
     run_script("grpo.py", *flags, "--run-name", "one", cwd=tmp_path)
     proc = run_torchrun("grpo.py", *flags, "--run-name", "two", cwd=tmp_path)
     assert "2 trainer rank(s)" in proc.stdout
     one, two = (read_metrics(tmp_path / "runs" / n / "metrics.jsonl") for n in ("one", "two"))
-    assert_same_run(one, two)
+    assert_same_run_across_ranks(one, two)
     diffs = [r["async/logprob_diff_max"] for r in two if "async/logprob_diff_max" in r]
     assert diffs and max(diffs) < 1e-4, diffs
 
 
+@pytest.mark.run
 @pytest.mark.parametrize("script,flags", [
     ("grpo.py", ["--staleness", "0"]),  # on-policy: every update compares engine and trainer after a sync
     ("m2po.py", ["--staleness", "2"]),
@@ -218,8 +253,9 @@ def test_two_trainer_ranks_with_vllm_give_the_one_process_run(tiny_vllm_model_pa
     ("vineppo.py", ["--staleness", "1", "--mc-samples", "2"]),
 ])
 def test_every_script_runs_with_vllm(tiny_vllm_model_path, tmp_path, script, flags):
-    run_script(script, "--model", tiny_vllm_model_path, *FAST, *EXACT, "--total-updates", "3", *flags,
-               "--run-name", "v", cwd=tmp_path)
+    proc = run_script(script, "--model", tiny_vllm_model_path, *FAST, *EXACT, "--total-updates", "3", *flags,
+                      "--run-name", "v", cwd=tmp_path)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # a clean run ends cleanly, engine teardown included
     rows = [r for r in read_metrics(tmp_path / "runs" / "v" / "metrics.jsonl") if "losses/grad_norm" in r]
     assert len(rows) == 3 and "async/logprob_diff" in rows[0]
     diffs = [r["async/logprob_diff_max"] for r in rows if "async/logprob_diff_max" in r]
@@ -228,6 +264,7 @@ def test_every_script_runs_with_vllm(tiny_vllm_model_path, tmp_path, script, fla
         assert len(diffs) == 3  # on-policy: after every sync
 
 
+@pytest.mark.run
 def test_evaluate_with_vllm_scores_a_checkpoint_as_hf_does(tiny_vllm_model_path, tmp_path):
     """reproduce/eval/evaluate.py --engine vllm on a training checkpoint (its weights reach vLLM by a sync): greedy
     fp32 responses equal the HF engine's, and the CSV's avg@1 is the mean of the samples' verdicts."""
