@@ -49,16 +49,20 @@ def shard_model(model):
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     if not layers:
         raise SystemExit(f"cannot shard {type(model).__name__}: no transformer blocks (*DecoderLayer modules) found")
+    # the mesh of the model's device type: without one, fully_shard builds it on the accelerator torch was built
+    # for, a CUDA mesh over a gloo group for a --no-cuda run on a GPU node
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for layer in layers:
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     # resharded after every forward, the root too (all-gathered again for backward): a root kept gathered after a
     # forward without backward (no_grad passes) would keep serving its pre-update weights after optimizer.step
-    fully_shard(model, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
@@ -131,8 +135,9 @@ def shutdown(exit_code: int = 0) -> None:
     """Leave the process group at the end of a run (torchrun). Ranks other than 0 then exit at once with
     ``exit_code``: they hold nothing to flush (rank 0 logs, checkpoints and owns the engine), and skipping the
     interpreter's teardown avoids gloo's threads aborting it ("terminate called without an active exception",
-    seen on CPUs when rank 0 outlives them). One process: nothing to do."""
-    if not dist.is_initialized():
+    seen on CPUs when rank 0 outlives them). One process: nothing to do (a process group there is one an
+    in-process vLLM engine made, and vLLM's own finaliser destroys it at exit)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or not dist.is_initialized():
         return
     rank = dist.get_rank()
     dist.destroy_process_group()

@@ -17,6 +17,7 @@ import io
 import logging
 import os
 import random
+import socket
 
 import torch
 
@@ -219,6 +220,14 @@ def nccl_weight_transfer(llm, address: str, port: int):
     return NCCLTrainerWeightTransferEngine.trainer_init(info, client=LLMClient(), source=source), source
 
 
+def free_port(address: str) -> int:
+    """A TCP port that is free on ``address`` now (the OS picks it): two runs on one node get different ports for
+    their NCCL weight transfer."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
 def quiet_reload_logs() -> None:
     """Silence vLLM's per-sync log lines that say nothing wrong: the reload's timing (INFO), and "Failed to load
     weights" for the two layers a checkpoint has no tensors for (the rotary embedding's computed cache, and the
@@ -273,7 +282,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, eos_ids: list[int], dtype=torch.bfloat16, max_batch: int = 64,
                  seed: int = 0, kv_cache_gib: float = 0.5, sync: str = "reload", enforce_eager: bool | None = None,
-                 nccl_address: str = "127.0.0.1", nccl_port: int = 29555, gpus: list[str] | None = None):
+                 nccl_address: str = "127.0.0.1", nccl_port: int | None = None, gpus: list[str] | None = None):
         if sync not in ("reload", "ipc", "nccl"):
             raise SystemExit(f"unknown vLLM weight sync {sync!r}: choose reload, ipc or nccl")
         if kv_cache_gib <= 0:
@@ -316,8 +325,9 @@ class VLLMEngine:
         self.eos_ids, self.dtype, self.sync = list(eos_ids), dtype, sync
         self.version, self.weights = 0, None
         self.transfer = self.source = None
-        if sync == "nccl":
-            self.transfer, self.source = nccl_weight_transfer(self.llm, nccl_address, nccl_port)
+        if sync == "nccl":  # the port: free_port unless given (a fixed one would collide between runs on a node)
+            self.transfer, self.source = nccl_weight_transfer(self.llm, nccl_address,
+                                                              nccl_port or free_port(nccl_address))
 
     def named_weights(self):
         """The weights the engine last loaded, as (name, tensor) pairs in the trainer's naming (for checkpoints)."""
@@ -327,7 +337,9 @@ class VLLMEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors, version: int) -> None:
-        """Weight sync: all the trainer's tensors (already in the engine's dtype) in one transfer."""
+        """Weight sync: all the trainer's tensors (already in the engine's dtype) in one transfer. Then vLLM's
+        prefix cache is emptied: its blocks are keyed by token ids only, so KV computed under the old weights would
+        otherwise serve later prompts that share a prefix (the chat template's)."""
         tensors = [(name, t) for name, t in named_tensors]
         if self.sync == "reload":
             self.llm.collective_rpc(reload_weights, args=(tensors,))
@@ -335,10 +347,18 @@ class VLLMEngine:
             blob = io.BytesIO()
             torch.save([(name, t.detach().cpu()) for name, t in tensors], blob)
             self.llm.collective_rpc(reload_weights, args=(blob.getvalue(),))
-        else:
-            self.source.tensors = tensors
+        else:  # NCCL reads the tensors on the trainer's GPU: a payload from a checkpoint is on the CPU
+            device = torch.device("cuda", torch.cuda.current_device())
+            self.source.tensors = [(name, t.to(device)) for name, t in tensors]
+            # the payload was written on the trainer's stream, the packed sender reads on its own: wait for it
+            torch.cuda.synchronize(device)
             self.transfer.send_weights()
-        self.weights, self.version = tensors, version
+            self.source.tensors = []
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
+        # the copy a checkpoint stores stays on the CPU (no extra payload held on the trainer's GPU)
+        self.weights = [(name, t.detach().cpu()) for name, t in tensors]
+        self.version = version
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False, seed: int | None = None, n: int = 1,

@@ -32,6 +32,8 @@ from common.verifiers import check_answer
 
 @dataclass
 class Args:
+    cuda: bool = True
+    """generate on the GPU when there is one (the HF engine; vLLM places itself)"""
     model: str = "default"
     """a model folder, a hub id, 'default' (embedded SmolLM2-135M-Instruct), a run folder (its trained model/, else
     its checkpoint.pt) or a checkpoint.pt"""
@@ -107,6 +109,8 @@ if __name__ == "__main__":
         print(f"[eval] model {model_path}", flush=True)
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path)
+    if args.engine == "hf" and args.cuda and torch.cuda.is_available():  # the HF engine generates on the model's device
+        model = model.to("cuda")
     if state is not None:
         model.load_state_dict(state)
     gen_eos = model.generation_config.eos_token_id
