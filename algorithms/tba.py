@@ -18,8 +18,19 @@ import tyro
 
 from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, save_model, set_rng_state
-from common.distributed import (all_ranks, barrier, broadcast, full_model_state, full_state_dicts, gathered_params,
-                                init_distributed, load_full_state_dicts, merge_ranks, shard_model, shutdown)
+from common.distributed import (
+    all_ranks,
+    barrier,
+    broadcast,
+    full_model_state,
+    full_state_dicts,
+    gathered_params,
+    init_distributed,
+    load_full_state_dicts,
+    merge_ranks,
+    shard_model,
+    shutdown,
+)
 from common.engine import make_engine, sample, weight_payload
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
@@ -52,7 +63,8 @@ class Args:
     eval_task: str | None = None
     """the greedy eval's benchmark: gsm8k, math500, aime24, amc23, minerva or olympiadbench (default: the task's own)"""
     eval_data_path: str | None = None
-    """a local copy of the eval benchmark: a file, or a folder with test.* (default: --data-path's test.*, or the hub)"""
+    """a local copy of the eval benchmark: a file, or a folder with test.* (default: --data-path's test.*, or the
+    hub)"""
     eval_size: int = 200
     """number of held-out problems for the greedy evaluation (0: all of the benchmark)"""
     prompt_template: str = "auto"
@@ -66,7 +78,8 @@ class Args:
     vllm_kv_cache_gib: float = 0.5
     """KV-cache memory of the vLLM engine in GiB, reserved at start (more only raises concurrency)"""
     vllm_gpus: int = 0
-    """GPUs of the vLLM engine's own on rank 0's node, after the trainer's (tensor parallel; 0: shares rank 0's device)"""
+    """GPUs of the vLLM engine's own on rank 0's node, after the trainer's (tensor parallel; 0: shares rank 0's
+    device)"""
     bf16: bool = True
     """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
     total_updates: int | None = None
@@ -77,7 +90,8 @@ class Args:
     group_size: int = 8
     """responses sampled per prompt (K); a slot trains on at most K distinct ones"""
     staleness: int = 2
-    """sync period k: weights reach the searcher every max(1, k) updates; recency draws are <= k updates old (0: synchronous)"""
+    """sync period k: weights reach the searcher every max(1, k) updates; recency draws are <= k updates old (0:
+    synchronous)"""
     max_new_tokens: int = 16
     """maximum response length in tokens"""
     temperature: float = 0.7
@@ -145,8 +159,9 @@ class Args:
     """updates between weight syncs to the searcher (max(1, staleness))"""
 
 
-def log_z(seq_logp: torch.Tensor, seq_logp_ref: torch.Tensor, rewards: torch.Tensor, slot: torch.Tensor,
-          beta: float) -> torch.Tensor:
+def log_z(
+    seq_logp: torch.Tensor, seq_logp_ref: torch.Tensor, rewards: torch.Tensor, slot: torch.Tensor, beta: float
+) -> torch.Tensor:
     """VarGrad estimate of log Z(x) (TBA, arXiv 2503.18929: per prompt, from the batch, not learned): for each
     slot (a prompt and its samples in the batch), the detached mean over its samples of
     r/beta - (log pi_theta - log pi_ref).
@@ -159,8 +174,14 @@ def log_z(seq_logp: torch.Tensor, seq_logp_ref: torch.Tensor, rewards: torch.Ten
     return (num / cnt)[slot].float()
 
 
-def tb_loss(seq_logp: torch.Tensor, seq_logp_ref: torch.Tensor, rewards: torch.Tensor, slot: torch.Tensor,
-            beta: float, num_samples: int | None = None):
+def tb_loss(
+    seq_logp: torch.Tensor,
+    seq_logp_ref: torch.Tensor,
+    rewards: torch.Tensor,
+    slot: torch.Tensor,
+    beta: float,
+    num_samples: int | None = None,
+):
     """Trajectory balance loss (TBA, arXiv 2503.18929; KL-regularised target pi*(y|x) ∝ pi_ref(y|x) exp(r(x,y)/beta)):
     L = 1/N * sum_i (log Z(x_i) + log pi_theta(y_i|x_i) - log pi_ref(y_i|x_i) - r_i/beta)^2, log Z from ``log_z``.
 
@@ -170,7 +191,7 @@ def tb_loss(seq_logp: torch.Tensor, seq_logp_ref: torch.Tensor, rewards: torch.T
     lz = log_z(seq_logp, seq_logp_ref, rewards, slot, beta)
     delta = lz + seq_logp - seq_logp_ref - rewards / beta
     n = seq_logp.shape[0] if num_samples is None else num_samples
-    return (delta ** 2).sum() / max(n, 1), lz, delta.detach()
+    return (delta**2).sum() / max(n, 1), lz, delta.detach()
 
 
 def beta_at(update: int, beta_start: float, beta_end: float, anneal_updates: int) -> float:
@@ -200,8 +221,9 @@ def buffer_insert(buffer: dict, prompt: tuple, items: list[dict], capacity: int)
     return dups, evicted
 
 
-def sample_slots(buffer: dict, num_slots: int, k: int, recency_prob: float, inv_temp: float,
-                 rng: np.random.Generator) -> list[tuple[tuple, list[dict], bool]]:
+def sample_slots(
+    buffer: dict, num_slots: int, k: int, recency_prob: float, inv_temp: float, rng: np.random.Generator
+) -> list[tuple[tuple, list[dict], bool]]:
     """Fill ``num_slots`` batch slots from the buffer (TBA's recency / reward sampling): (prompt, samples, recency).
 
     With probability ``recency_prob`` a slot is a recency draw: a prompt refreshed at the latest sync (its newest
@@ -214,7 +236,7 @@ def sample_slots(buffer: dict, num_slots: int, k: int, recency_prob: float, inv_
     latest = max(buffer[p][-1]["version"] for p in keys)
     fresh = [p for p in keys if buffer[p][-1]["version"] == latest]
     recency = rng.random(num_slots) < recency_prob
-    rec_keys = [fresh[i] for i in rng.permutation(len(fresh))[:int(recency.sum())]]
+    rec_keys = [fresh[i] for i in rng.permutation(len(fresh))[: int(recency.sum())]]
     slots, chosen = [], set(rec_keys)
     for p in rec_keys:
         slots.append((p, [h for h in buffer[p] if h["version"] == latest][-k:], True))
@@ -237,8 +259,10 @@ def run_plan(total_updates: int, staleness: int) -> str:
         return f"plan: {T} updates, synchronous: each round is generated by the trainer's current weights"
     if T <= k:
         return f"plan: all {T} updates train on the initial policy's samples (the first sync would be at update {k})"
-    return (f"plan: updates 1-{k} train on the initial policy's samples; then the searcher gets the trainer's weights "
-            f"every {k} update(s) (recency draws at most {staleness} updates old) until update {T}")
+    return (
+        f"plan: updates 1-{k} train on the initial policy's samples; then the searcher gets the trainer's weights "
+        f"every {k} update(s) (recency draws at most {staleness} updates old) until update {T}"
+    )
 
 
 def default_updates(staleness: int, on_policy: int) -> int:
@@ -262,8 +286,10 @@ if __name__ == "__main__":
     if args.checkpoint_minutes < 0:
         raise SystemExit(f"--checkpoint-minutes must be >= 0 (0: no safety checkpoints), got {args.checkpoint_minutes}")
     if args.group_size < 2:
-        raise SystemExit(f"--group-size must be >= 2: log Z is the mean over a prompt's samples, so a single sample "
-                         f"has zero loss; got {args.group_size}")
+        raise SystemExit(
+            f"--group-size must be >= 2: log Z is the mean over a prompt's samples, so a single sample "
+            f"has zero loss; got {args.group_size}"
+        )
     if args.total_updates is None:  # a real run at the sync period asked for
         args.total_updates = default_updates(args.staleness, 20)
     if args.eval_every is None:
@@ -272,15 +298,19 @@ if __name__ == "__main__":
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.micro_batch_size < args.group_size:
-        raise SystemExit(f"--micro-batch-size {args.micro_batch_size} must be >= --group-size {args.group_size}: a "
-                         f"prompt's samples share one micro-batch so that its log Z is exact")
+        raise SystemExit(
+            f"--micro-batch-size {args.micro_batch_size} must be >= --group-size {args.group_size}: a "
+            f"prompt's samples share one micro-batch so that its log Z is exact"
+        )
     if not 0.0 <= args.recency_prob <= 1.0:
         raise SystemExit(f"--recency-prob is a probability: choose a value in [0, 1], got {args.recency_prob}")
     if min(args.beta_start, args.beta_end) <= 0:
         raise SystemExit(f"--beta-start and --beta-end must be > 0 (r/beta), got {args.beta_start}, {args.beta_end}")
     if args.buffer_capacity < args.group_size:
-        raise SystemExit(f"--buffer-capacity {args.buffer_capacity} must be >= --group-size {args.group_size} (a "
-                         f"round's samples of a prompt must fit)")
+        raise SystemExit(
+            f"--buffer-capacity {args.buffer_capacity} must be >= --group-size {args.group_size} (a "
+            f"round's samples of a prompt must fit)"
+        )
     args.batch_size = args.prompts_per_batch * args.group_size
     args.sync_every = max(1, args.staleness)
     ckpt = load_checkpoint(args.resume) if args.resume else None
@@ -291,25 +321,36 @@ if __name__ == "__main__":
             args.total_updates = total_updates
         args.resume = resume_path
         if args.total_updates <= ckpt["update"]:
-            raise SystemExit(f"--resume: the checkpoint is at update {ckpt['update']}; pass --total-updates N with "
-                             f"N > {ckpt['update']} to train further")
+            raise SystemExit(
+                f"--resume: the checkpoint is at update {ckpt['update']}; pass --total-updates N with "
+                f"N > {ckpt['update']} to train further"
+            )
     slots_per_micro = args.micro_batch_size // args.group_size  # whole slots (<= K samples each) per micro-batch
     n_micro = -(-args.prompts_per_batch // slots_per_micro)  # micro-batches per update, dealt out to the ranks
     if n_micro % world:
-        raise SystemExit(f"a batch of {args.prompts_per_batch} prompt slots (up to {args.group_size} samples each) makes "
-                         f"{n_micro} micro-batches of {slots_per_micro} slot(s) under --micro-batch-size "
-                         f"{args.micro_batch_size}, which cannot be dealt evenly to {world} trainer ranks: choose "
-                         f"--micro-batch-size M with ceil({args.prompts_per_batch} / floor(M / {args.group_size})) a "
-                         f"multiple of {world}")
+        raise SystemExit(
+            f"a batch of {args.prompts_per_batch} prompt slots (up to {args.group_size} samples each) makes "
+            f"{n_micro} micro-batches of {slots_per_micro} slot(s) under --micro-batch-size "
+            f"{args.micro_batch_size}, which cannot be dealt evenly to {world} trainer ranks: choose "
+            f"--micro-batch-size M with ceil({args.prompts_per_batch} / floor(M / {args.group_size})) a "
+            f"multiple of {world}"
+        )
     run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     args.run_name = run_name
     run_dir = os.path.join("runs", run_name)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
 
-    task = make_task(args.task, digits=args.digits, data_path=args.data_path, eval_task=args.eval_task,
-                     eval_data_path=args.eval_data_path, eval_size=args.eval_size, prompt_template=args.prompt_template,
-                     seed=args.seed)
+    task = make_task(
+        args.task,
+        digits=args.digits,
+        data_path=args.data_path,
+        eval_task=args.eval_task,
+        eval_data_path=args.eval_data_path,
+        eval_size=args.eval_size,
+        prompt_template=args.prompt_template,
+        seed=args.seed,
+    )
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
     policy = load_model(model_path).to(device)
@@ -321,12 +362,23 @@ if __name__ == "__main__":
         ref_model = load_model(model_path).to(device).eval().requires_grad_(False)
     engine = None  # rank 0 owns the rollout engine (made from the full, not yet sharded, policy)
     if rank == 0:
-        engine = make_engine(args.engine, policy, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-                             dtype=getattr(torch, args.engine_dtype), max_batch=args.gen_batch_size, seed=args.seed,
-                             kv_cache_gib=args.vllm_kv_cache_gib, gpus=args.vllm_gpus)
+        engine = make_engine(
+            args.engine,
+            policy,
+            model_path,
+            eos_ids=eos_ids,
+            pad_id=tokenizer.pad_token_id,
+            dtype=getattr(torch, args.engine_dtype),
+            max_batch=args.gen_batch_size,
+            seed=args.seed,
+            kv_cache_gib=args.vllm_kv_cache_gib,
+            gpus=args.vllm_gpus,
+        )
     policy = shard_model(policy)  # FSDP2 over the trainer ranks (one process: unchanged)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    lr_at = lambda v: args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
+    lr_at = lambda v: (
+        args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
+    )
     # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype (every rank gathers,
     # rank 0 keeps it)
     weights_copy = lambda: weight_payload(policy, getattr(torch, args.engine_dtype), keep=rank == 0)
@@ -343,8 +395,19 @@ if __name__ == "__main__":
     sampler = np.random.default_rng(args.seed)  # the trainer's slot draws
     weights_q: queue.Queue = queue.Queue(maxsize=1)  # the newest weight payload (version, [(name, tensor)])
     stop, pause_req, paused = threading.Event(), threading.Event(), threading.Event()
-    producer_state = {"next_round": 0, "update": 0, "error": None, "gen_time": 0.0, "ref_time": 0.0, "gen_tokens": 0,
-                      "gen_total_time": 0.0, "producer_wait": 0.0, "weight_sync": 0.0, "duplicates": 0, "evicted": 0}
+    producer_state = {
+        "next_round": 0,
+        "update": 0,
+        "error": None,
+        "gen_time": 0.0,
+        "ref_time": 0.0,
+        "gen_tokens": 0,
+        "gen_total_time": 0.0,
+        "producer_wait": 0.0,
+        "weight_sync": 0.0,
+        "duplicates": 0,
+        "evicted": 0,
+    }
     start_update, pending_weights = 0, []
     if ckpt is not None:  # full state dicts: the checkpoint resumes on any number of ranks
         load_full_state_dicts(policy, optimizer, ckpt["model"], ckpt["optimizer"])
@@ -357,7 +420,9 @@ if __name__ == "__main__":
         start_update = producer_state["update"] = ckpt["update"]
         pending_weights = list(ckpt["pending_weights"])
         last_sync = start_update - start_update % args.sync_every
-        if not pending_weights and ckpt["engine_version"] < last_sync:  # the run ended before handing over its last sync
+        if (
+            not pending_weights and ckpt["engine_version"] < last_sync
+        ):  # the run ended before handing over its last sync
             payload = weights_copy()
             if rank == 0:
                 pending_weights = [(start_update, payload)]
@@ -365,17 +430,30 @@ if __name__ == "__main__":
             for item in pending_weights:
                 weights_q.put(item)
     guard = NonFiniteGuard(args.max_nonfinite_skips, ckpt.get("nonfinite_skips", 0) if ckpt else 0, log=print0)
-    tracker = Tracker(run_dir, asdict(args), track=args.track, project=args.wandb_project, run_name=run_name,
-                      resume=ckpt["update"] if ckpt else None, enabled=rank == 0)
-    print0(f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
-          f"{task.info['prompt_template']}) | model {model_path} | batch {P} prompts x {K} samples | sync every "
-          f"{args.sync_every} update(s), recency draws <= {s} updates old, m = {m} | {args.total_updates} updates | "
-           f"{world} trainer rank(s) on {device.type}", flush=True)
+    tracker = Tracker(
+        run_dir,
+        asdict(args),
+        track=args.track,
+        project=args.wandb_project,
+        run_name=run_name,
+        resume=ckpt["update"] if ckpt else None,
+        enabled=rank == 0,
+    )
+    print0(
+        f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
+        f"{task.info['prompt_template']}) | model {model_path} | batch {P} prompts x {K} samples | sync every "
+        f"{args.sync_every} update(s), recency draws <= {s} updates old, m = {m} | {args.total_updates} updates | "
+        f"{world} trainer rank(s) on {device.type}",
+        flush=True,
+    )
     print0(run_plan(args.total_updates, s), flush=True)
     if 0 < s and args.total_updates <= s:
-        print0(f"WARNING: --total-updates {args.total_updates} with --staleness {s}: the searcher never gets new "
-               f"weights; pass --total-updates > {s} (or omit it: {default_updates(s, 20)}) to train at that sync "
-               f"period", flush=True)
+        print0(
+            f"WARNING: --total-updates {args.total_updates} with --staleness {s}: the searcher never gets new "
+            f"weights; pass --total-updates > {s} (or omit it: {default_updates(s, 20)}) to train at that sync "
+            f"period",
+            flush=True,
+        )
 
     # ---------------------------------------------------------------- shared plumbing: rollout producer (thread)
     def wait_or_pause(get):
@@ -431,8 +509,14 @@ if __name__ == "__main__":
                 rows = task.train_rows(n, P)
                 unique = [encode(row) for row in rows]
                 t0 = time.time()
-                outs = engine.generate(unique, n=K, max_new_tokens=args.max_new_tokens,
-                                       temperature=args.temperature, top_p=args.top_p, seed=args.seed * 1_000_003 + n)
+                outs = engine.generate(
+                    unique,
+                    n=K,
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    seed=args.seed * 1_000_003 + n,
+                )
                 gen_time = time.time() - t0
                 release_free_memory()  # the generation's KV caches go back to the OS before the trainer needs memory
                 texts = tokenizer.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
@@ -440,29 +524,46 @@ if __name__ == "__main__":
                 # ---- algorithm: pi_ref's sequence log-probs, once per sample, here where the trainer does not wait
                 t1, logp_ref = time.time(), []
                 for i in range(0, len(outs), args.micro_batch_size):
-                    part = outs[i:i + args.micro_batch_size]
-                    mb = collate([unique[(i + j) // K] for j in range(len(part))], [o["response"] for o in part],
-                                 tokenizer.pad_token_id, device)
+                    part = outs[i : i + args.micro_batch_size]
+                    mb = collate(
+                        [unique[(i + j) // K] for j in range(len(part))],
+                        [o["response"] for o in part],
+                        tokenizer.pad_token_id,
+                        device,
+                    )
                     with autocast(), torch.no_grad():
-                        lp, _ = response_logprobs(ref_model, mb, args.temperature, args.logprob_chunk_tokens,
-                                                  with_grad=False)
+                        lp, _ = response_logprobs(
+                            ref_model, mb, args.temperature, args.logprob_chunk_tokens, with_grad=False
+                        )
                     logp_ref += (lp * mb["response_mask"]).sum(-1).tolist()
                 ref_time = time.time() - t1
                 release_free_memory()
                 with buffer_lock:
                     for g, prompt in enumerate(unique):
-                        items = [dict(response=o["response"], logprobs=o["logprobs"], truncated=o["truncated"],
-                                      reward=rewards[g * K + i], version=engine.version, round=n,
-                                      logp_ref=logp_ref[g * K + i])
-                                 for i, o in enumerate(outs[g * K:(g + 1) * K])]
+                        items = [
+                            dict(
+                                response=o["response"],
+                                logprobs=o["logprobs"],
+                                truncated=o["truncated"],
+                                reward=rewards[g * K + i],
+                                version=engine.version,
+                                round=n,
+                                logp_ref=logp_ref[g * K + i],
+                            )
+                            for i, o in enumerate(outs[g * K : (g + 1) * K])
+                        ]
                         dups, evicted = buffer_insert(buffer, tuple(prompt), items, args.buffer_capacity)
                         producer_state["duplicates"] += dups
                         producer_state["evicted"] += evicted
                     producer_state.update(
-                        next_round=n + 1, gen_time=gen_time, ref_time=ref_time, producer_wait=producer_wait,
+                        next_round=n + 1,
+                        gen_time=gen_time,
+                        ref_time=ref_time,
+                        producer_wait=producer_wait,
                         weight_sync=sync_time,
                         gen_tokens=producer_state["gen_tokens"] + sum(len(o["response"]) for o in outs),
-                        gen_total_time=producer_state["gen_total_time"] + gen_time)
+                        gen_total_time=producer_state["gen_total_time"] + gen_time,
+                    )
         except BaseException as e:  # reaches the trainer, which ends the run with it
             producer_state["error"] = e
 
@@ -491,12 +592,19 @@ if __name__ == "__main__":
         while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
             time.sleep(0.01)
         try:
-            state = dict(args=asdict(args), update=update, model=model_state, optimizer=optimizer_state,
-                         rng=rng_state(), sampler=sampler.bit_generator.state, buffer=buffer,
-                         searcher={k: v for k, v in producer_state.items() if k != "error"},
-                         engine_version=engine.version,
-                         engine_weights={k: v.detach().cpu().clone() for k, v in engine.named_weights()},
-                         pending_weights=list(weights_q.queue))
+            state = dict(
+                args=asdict(args),
+                update=update,
+                model=model_state,
+                optimizer=optimizer_state,
+                rng=rng_state(),
+                sampler=sampler.bit_generator.state,
+                buffer=buffer,
+                searcher={k: v for k, v in producer_state.items() if k != "error"},
+                engine_version=engine.version,
+                engine_weights={k: v.detach().cpu().clone() for k, v in engine.named_weights()},
+                pending_weights=list(weights_q.queue),
+            )
         finally:
             pause_req.clear()
         save_checkpoint(ckpt_path, {**state, "nonfinite_skips": guard.skips})
@@ -523,9 +631,15 @@ if __name__ == "__main__":
         responses, truncated = [], []
         with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
             for i in range(lo, hi, args.gen_batch_size):
-                r, _, tr = sample(policy, eval_prompts[i:min(i + args.gen_batch_size, hi)], eos_ids=eos_ids,
-                                  max_new_tokens=args.max_new_tokens, pad_id=tokenizer.pad_token_id, greedy=True,
-                                  autocast=args.bf16)
+                r, _, tr = sample(
+                    policy,
+                    eval_prompts[i : min(i + args.gen_batch_size, hi)],
+                    eos_ids=eos_ids,
+                    max_new_tokens=args.max_new_tokens,
+                    pad_id=tokenizer.pad_token_id,
+                    greedy=True,
+                    autocast=args.bf16,
+                )
                 responses += r
                 truncated += tr
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -533,8 +647,11 @@ if __name__ == "__main__":
         correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
         policy.train()
         pause_req.clear()
-        return {"eval/accuracy": float(np.mean(correct)), "eval/truncated_frac": float(np.mean(truncated)),
-                "eval/response_length_mean": float(np.mean(lengths))}
+        return {
+            "eval/accuracy": float(np.mean(correct)),
+            "eval/truncated_frac": float(np.mean(truncated)),
+            "eval/response_length_mean": float(np.mean(lengths)),
+        }
 
     # ---------------------------------------------------------------- training loop
     start_time, ckpt_path = time.time(), os.path.join(run_dir, "checkpoint.pt")
@@ -557,15 +674,18 @@ if __name__ == "__main__":
                     rounds = producer_state["next_round"]  # counters as of this draw
                     dropped = (producer_state["duplicates"], producer_state["evicted"])
             slots, buffer_size, buffer_prompts, rounds, dropped = broadcast(  # rank 0's draw, to every rank
-                (slots, buffer_size, buffer_prompts, rounds, dropped) if rank == 0 else None)
+                (slots, buffer_size, buffer_prompts, rounds, dropped) if rank == 0 else None
+            )
             trainer_wait = time.time() - t_wait
             samples = [(p, h, j, rec) for j, (p, items, rec) in enumerate(slots) for h in items]  # slot-major
             N = len(samples)
             first = np.cumsum([0] + [len(items) for _, items, _ in slots])  # slot j: samples first[j] .. first[j+1]-1
             # whole slots per micro-batch (log Z needs all of a slot's samples), slots_per_micro of them: n_micro
             # micro-batches of at most --micro-batch-size samples whatever the slots hold
-            micros = [list(range(first[j], first[min(j + slots_per_micro, len(slots))]))
-                      for j in range(0, len(slots), slots_per_micro)]
+            micros = [
+                list(range(first[j], first[min(j + slots_per_micro, len(slots))]))
+                for j in range(0, len(slots), slots_per_micro)
+            ]
             beta = beta_at(update, args.beta_start, args.beta_end, anneal)
             t0 = time.time()
             for g in optimizer.param_groups:
@@ -576,8 +696,12 @@ if __name__ == "__main__":
             fresh_tok = []  # per-token |trainer - engine| log-prob differences of samples of the current version
             policy_loss, seen_tokens, n_tokens = 0.0, 0, 0
             for micro in micros[rank::world]:  # this rank's micro-batches (all of them in one process)
-                mb = collate([list(samples[i][0]) for i in micro], [samples[i][1]["response"] for i in micro],
-                             tokenizer.pad_token_id, device)
+                mb = collate(
+                    [list(samples[i][0]) for i in micro],
+                    [samples[i][1]["response"] for i in micro],
+                    tokenizer.pad_token_id,
+                    device,
+                )
                 mask = mb["response_mask"]
                 logp_behav = pad_float([samples[i][1]["logprobs"] for i in micro], mask.shape[1], device)
                 rewards = torch.tensor([samples[i][1]["reward"] for i in micro], dtype=torch.float32, device=device)
@@ -599,8 +723,14 @@ if __name__ == "__main__":
                 fresh_tok.append((logp.detach() - logp_behav).abs()[mask & fresh[:, None]])
             # every sample and response token of the batch (all ranks), flattened; sums over the ranks
             seq, tok, fresh_tok, seq_ids, policy_loss, seen_tokens, n_tokens = merge_ranks(
-                seq, tok, fresh_tok, [i for micro in micros[rank::world] for i in micro], policy_loss, seen_tokens,
-                n_tokens)
+                seq,
+                tok,
+                fresh_tok,
+                [i for micro in micros[rank::world] for i in micro],
+                policy_loss,
+                seen_tokens,
+                n_tokens,
+            )
             seq = {key: v[torch.as_tensor(np.argsort(seq_ids))] for key, v in seq.items()}  # back in sample order
             fresh_tok = torch.cat(fresh_tok)
             if update + 1 in args.debug_nonfinite_at:  # fault injection for tests: a NaN gradient
@@ -677,9 +807,25 @@ if __name__ == "__main__":
                 metrics.update(evaluate(update))
             tracker.log(metrics, update)
             eta_s = tracker.eta(update, args.total_updates, args.eval_every)  # recent updates' pace, evaluations apart
-            print0(progress_line(update, args.total_updates, time.time() - start_time, eta_s, metrics,
-                                ["charts/reward_mean", "eval/accuracy", "tba/logZ_mean", "losses/kl", "tba/samples",
-                                 "async/staleness_mean", "tba/buffer_size"]), flush=True)
+            print0(
+                progress_line(
+                    update,
+                    args.total_updates,
+                    time.time() - start_time,
+                    eta_s,
+                    metrics,
+                    [
+                        "charts/reward_mean",
+                        "eval/accuracy",
+                        "tba/logZ_mean",
+                        "losses/kl",
+                        "tba/samples",
+                        "async/staleness_mean",
+                        "tba/buffer_size",
+                    ],
+                ),
+                flush=True,
+            )
             if update == args.debug_kill_at and not args.resume:  # fault injection for tests: the machine dies here
                 os.kill(os.getpid(), signal.SIGKILL)
             if guard.exhausted:  # too many non-finite updates in a row: stop, with the last finite state saved
@@ -705,8 +851,10 @@ if __name__ == "__main__":
         barrier()
         final = f"eval/accuracy {metrics['eval/accuracy']:.4g}; " if "eval/accuracy" in metrics else ""
         kept = f"; training state {ckpt_path} (--resume it with --total-updates N)" if args.keep_final_state else ""
-        print0(f"done: {update} updates in {format_duration(time.time() - start_time)}; {final}model {model_dir}{kept}",
-               flush=True)
+        print0(
+            f"done: {update} updates in {format_duration(time.time() - start_time)}; {final}model {model_dir}{kept}",
+            flush=True,
+        )
         shutdown()
     except KeyboardInterrupt:
         if producer_state["error"] is None:

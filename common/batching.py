@@ -23,12 +23,20 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, d
     r_ids = torch.full((len(responses), R), pad_id, dtype=torch.long)
     r_mask = torch.zeros((len(responses), R), dtype=torch.long)
     for i, r in enumerate(responses):
-        r_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        r_mask[i, :len(r)] = 1
+        r_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        r_mask[i, : len(r)] = 1
     mask = torch.cat([p_mask, r_mask], 1)
-    out = dict(input_ids=torch.cat([p_ids, r_ids], 1), attention_mask=mask, position_ids=position_ids_from_mask(mask),
-               response_ids=r_ids, response_mask=r_mask.bool(), prompt_len=p_ids.shape[1],
-               unique_ids=p_ids[rows], unique_mask=p_mask[rows], prompt_index=prompt_index)
+    out = dict(
+        input_ids=torch.cat([p_ids, r_ids], 1),
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        response_ids=r_ids,
+        response_mask=r_mask.bool(),
+        prompt_len=p_ids.shape[1],
+        unique_ids=p_ids[rows],
+        unique_mask=p_mask[rows],
+        prompt_index=prompt_index,
+    )
     return {k: v.to(device) if torch.is_tensor(v) and device is not None else v for k, v in out.items()}
 
 
@@ -36,7 +44,7 @@ def pad_float(rows: list[list[float]], width: int, device=None) -> torch.Tensor:
     """Right-pad lists of floats with zeros into a [B, width] float32 tensor (on ``device``, default CPU)."""
     out = torch.zeros((len(rows), width))
     for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.float32)
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
     return out.to(device) if device is not None else out
 
 
@@ -60,21 +68,39 @@ def response_hidden(model, batch: dict, share_prompts: bool = True) -> torch.Ten
     P, R = batch["prompt_len"], batch["response_mask"].shape[1]
     base = getattr(model, model.base_model_prefix)
     if not share_prompts or R == 1:
-        return base(input_ids=batch["input_ids"][:, :P + R - 1], attention_mask=batch["attention_mask"][:, :P + R - 1],
-                    position_ids=batch["position_ids"][:, :P + R - 1]).last_hidden_state[:, P - 1:]
+        return base(
+            input_ids=batch["input_ids"][:, : P + R - 1],
+            attention_mask=batch["attention_mask"][:, : P + R - 1],
+            position_ids=batch["position_ids"][:, : P + R - 1],
+        ).last_hidden_state[:, P - 1 :]
     idx = batch["prompt_index"]
-    out = base(input_ids=batch["unique_ids"], attention_mask=batch["unique_mask"],
-               position_ids=position_ids_from_mask(batch["unique_mask"]), use_cache=True)
+    out = base(
+        input_ids=batch["unique_ids"],
+        attention_mask=batch["unique_mask"],
+        position_ids=position_ids_from_mask(batch["unique_mask"]),
+        use_cache=True,
+    )
     first = out.last_hidden_state[:, -1:][idx]  # predicts response token 0
     past = out.past_key_values
     past.reorder_cache(idx)  # index_select per layer: differentiable, one cache row per sample
-    rest = base(input_ids=batch["response_ids"][:, :R - 1], attention_mask=batch["attention_mask"][:, :P + R - 1],
-                position_ids=batch["position_ids"][:, P:P + R - 1], past_key_values=past, use_cache=True)
+    rest = base(
+        input_ids=batch["response_ids"][:, : R - 1],
+        attention_mask=batch["attention_mask"][:, : P + R - 1],
+        position_ids=batch["position_ids"][:, P : P + R - 1],
+        past_key_values=past,
+        use_cache=True,
+    )
     return torch.cat([first, rest.last_hidden_state], 1)
 
 
-def response_logprobs(model, batch: dict, temperature: float = 1.0, chunk_tokens: int = 1024,
-                      with_grad: bool = True, share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def response_logprobs(
+    model,
+    batch: dict,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    with_grad: bool = True,
+    share_prompts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (and entropies) of the response tokens under ``model`` at ``temperature``.
 
     The transformer runs as in ``response_hidden`` (shared prompts by default). The LM head runs on at
@@ -95,8 +121,10 @@ def _response_logprobs(model, batch, temperature, chunk_tokens, with_grad, share
     weight = model.get_output_embeddings().weight
     lps, ents = [], []
     for i in range(0, h.shape[0], chunk_tokens):
-        args = (h[i:i + chunk_tokens], weight, targets[i:i + chunk_tokens], temperature)
-        lp, ent = checkpoint(_chunk_logp_entropy, *args, use_reentrant=False) if with_grad else _chunk_logp_entropy(*args)
+        args = (h[i : i + chunk_tokens], weight, targets[i : i + chunk_tokens], temperature)
+        lp, ent = (
+            checkpoint(_chunk_logp_entropy, *args, use_reentrant=False) if with_grad else _chunk_logp_entropy(*args)
+        )
         lps.append(lp)
         ents.append(ent)
     logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)

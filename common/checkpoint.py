@@ -37,8 +37,10 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
         if tmp.is_file():
             tmp.unlink(missing_ok=True)
         kept = f"the previous checkpoint {path} is intact" if path.is_file() else f"no earlier checkpoint is at {path}"
-        raise SystemExit(f"could not write the checkpoint {path}: {e}\n{kept}. Free disk space or make the folder "
-                         f"writable; --resume continues from the last checkpoint written.") from e
+        raise SystemExit(
+            f"could not write the checkpoint {path}: {e}\n{kept}. Free disk space or make the folder "
+            f"writable; --resume continues from the last checkpoint written."
+        ) from e
     return path
 
 
@@ -55,15 +57,17 @@ def save_model(model, tokenizer, state_dict: dict, out_dir: str | Path) -> Path:
         tokenizer.save_pretrained(tmp)
         # save_pretrained records the class's name; under FSDP2 that is its wrapper (FSDPLlamaForCausalLM)
         config = json.loads((tmp / "config.json").read_text())
-        config["architectures"] = [next(c.__name__ for c in type(model).__mro__
-                                        if c.__module__.startswith("transformers."))]
+        config["architectures"] = [
+            next(c.__name__ for c in type(model).__mro__ if c.__module__.startswith("transformers."))
+        ]
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(f"could not write the trained model to {out}: {e}. Free disk space or make the folder "
-                         f"writable.") from e
+        raise SystemExit(
+            f"could not write the trained model to {out}: {e}. Free disk space or make the folder writable."
+        ) from e
     return out
 
 
@@ -94,9 +98,11 @@ class NonFiniteGuard:
             self.streak = 0
             return True
         self.skips, self.streak = self.skips + 1, self.streak + 1
-        self.log(f"update {update}: non-finite {', '.join(f'{k} {v}' for k, v in bad.items())}: optimizer step "
-                 f"skipped, weights and optimizer state unchanged ({self.streak} in a row, {self.skips} in the run)",
-                 flush=True)
+        self.log(
+            f"update {update}: non-finite {', '.join(f'{k} {v}' for k, v in bad.items())}: optimizer step "
+            f"skipped, weights and optimizer state unchanged ({self.streak} in a row, {self.skips} in the run)",
+            flush=True,
+        )
         return False
 
     @property
@@ -105,7 +111,9 @@ class NonFiniteGuard:
 
     def message(self, update: int, ckpt_path: str | Path) -> str:
         """Why the run stops, for the SystemExit raised after saving the last finite state."""
-        return (f"updates {update - self.streak + 1}-{update}: {self.streak} in a row had a non-finite loss or "
-                f"gradient norm (--max-nonfinite-skips {self.max_streak}); stopped. The weights and optimizer state "
-                f"are the last finite ones, saved in {ckpt_path}. Look for the cause (learning rate, bf16 overflow, "
-                f"the data) before resuming with --resume.")
+        return (
+            f"updates {update - self.streak + 1}-{update}: {self.streak} in a row had a non-finite loss or "
+            f"gradient norm (--max-nonfinite-skips {self.max_streak}); stopped. The weights and optimizer state "
+            f"are the last finite ones, saved in {ckpt_path}. Look for the cause (learning rate, bf16 overflow, "
+            f"the data) before resuming with --resume."
+        )

@@ -22,8 +22,10 @@ def init_distributed(cuda: bool = True) -> tuple[int, int, torch.device]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = cuda and torch.cuda.is_available()
     if use_cuda and local_rank >= torch.cuda.device_count():
-        raise SystemExit(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; start at "
-                         f"most that many processes per node (torchrun --nproc-per-node)")
+        raise SystemExit(
+            f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}; start at "
+            f"most that many processes per node (torchrun --nproc-per-node)"
+        )
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -157,7 +159,8 @@ def broadcast(value):
 
 
 def all_ranks(value) -> list:
-    """``value`` from every rank, in rank order (tensors arrive on CPU); every rank must call it. One process: [value]."""
+    """``value`` from every rank, in rank order (tensors arrive on CPU); every rank must call it. One process:
+    [value]."""
     if not dist.is_initialized():
         return [_to_cpu(value)]
     out = [None] * dist.get_world_size()

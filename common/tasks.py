@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from common.verifiers import check_answer, extract_hash_answer, extract_last_number, last_boxed, normalise_number
+from common.verifiers import check_answer, extract_hash_answer, last_boxed, normalise_number
+
+# re-exported for the tests (tests/test_common.py imports it from here)
+from common.verifiers import extract_last_number as extract_last_number
 
 # name: (hub id, config, split)
 TRAIN_SETS = {
@@ -47,23 +50,35 @@ BENCHMARKS = {
 TASKS = ("arithmetic", "chain", *TRAIN_SETS)
 DEFAULT_EVAL = {"gsm8k": "gsm8k", "math": "math500", "deepscaler": "math500", "dapo17k": "math500"}
 
-_DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of the form "
-              "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
-_DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
+_DAPO_HEAD = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+_DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
 # name: (text with {question}, chat template?, verifier) -- the papers' prompts and verifiers (docs/tasks.md)
 TEMPLATES = {
     "number": ("{question} Reply with just the number.", True, "last_number"),
     "chain": ("{question} One step per line, then #### result.", True, "hash"),
-    "grpo": ("{question} Let's think step by step and output the final answer after \"####\".", True, "hash"),
+    "grpo": ('{question} Let\'s think step by step and output the final answer after "####".', True, "hash"),
     "dapo": (_DAPO_HEAD + "{question}" + _DAPO_TAIL, True, "answer_line"),
-    "m2po": ("Please solve the following math problem: {question}. The assistant first thinks about the reasoning "
-             "process step by step and then provides the user with the answer. Return the final answer in "
-             "\\boxed{} tags, for example \\boxed{1}. Let's solve this step by step. ", True, "boxed"),
+    "m2po": (
+        "Please solve the following math problem: {question}. The assistant first thinks about the reasoning "
+        "process step by step and then provides the user with the answer. Return the final answer in "
+        "\\boxed{} tags, for example \\boxed{1}. Let's solve this step by step. ",
+        True,
+        "boxed",
+    ),
     "tba": ("[MATH TASK] Problem:\n{question}\n\nSolution:\n", False, "last_number"),
     "vineppo": ("[MATH_TASK] Problem:\n{question}\n\nSolution:", False, "hash"),
 }
-DEFAULT_TEMPLATE = {"arithmetic": "number", "chain": "chain", "gsm8k": "grpo", "math": "m2po", "deepscaler": "m2po",
-                    "dapo17k": "dapo"}
+DEFAULT_TEMPLATE = {
+    "arithmetic": "number",
+    "chain": "chain",
+    "gsm8k": "grpo",
+    "math": "m2po",
+    "deepscaler": "m2po",
+    "dapo17k": "dapo",
+}
 
 
 def correctness_reward(answer: str | None, gold: str) -> float:
@@ -94,9 +109,15 @@ def resolve_template(template: str) -> tuple[Callable[[dict], str], bool, str]:
 
 def _apply_template(name: str, eval_rows: list[dict], train_rows, template: str, info: dict) -> Task:
     prompt, chat, verifier = resolve_template(template)
-    return Task(name=name, eval_rows=eval_rows, train_rows=train_rows, prompt=prompt,
-                reward=lambda response, row: float(check_answer(verifier, response, row["answer"])),
-                chat=chat, info={**info, "prompt_template": template, "verifier": verifier})
+    return Task(
+        name=name,
+        eval_rows=eval_rows,
+        train_rows=train_rows,
+        prompt=prompt,
+        reward=lambda response, row: float(check_answer(verifier, response, row["answer"])),
+        chat=chat,
+        info={**info, "prompt_template": template, "verifier": verifier},
+    )
 
 
 # ---------------------------------------------------------------- arithmetic
@@ -183,8 +204,9 @@ def make_chain_task(digits: int = 1, eval_size: int = 200, seed: int = 1, templa
                 rows.append(row)
         return rows
 
-    return _apply_template("chain", eval_rows, train_rows, template, {"digits": digits, "eval_task": "chain",
-                                                                      "ops": list(CHAIN_OPS)})
+    return _apply_template(
+        "chain", eval_rows, train_rows, template, {"digits": digits, "eval_task": "chain", "ops": list(CHAIN_OPS)}
+    )
 
 
 # ---------------------------------------------------------------- datasets: reading rows
@@ -221,8 +243,9 @@ def read_rows(path: Path, flag: str = "") -> list[dict]:
         if not isinstance(row, dict):
             raise SystemExit(f"{path}: row {i} is not a JSON object.")
     if not rows:
-        raise SystemExit(f"{flag + ' ' if flag else ''}{path}: the file has no rows; pass a file with at least one "
-                         f"question.")
+        raise SystemExit(
+            f"{flag + ' ' if flag else ''}{path}: the file has no rows; pass a file with at least one question."
+        )
     return rows
 
 
@@ -254,7 +277,7 @@ def _question(row: dict) -> str | None:
     if isinstance(prompt, str) and prompt.strip():
         q = prompt.strip()
         if q.startswith(_DAPO_HEAD.strip()) and q.endswith(_DAPO_TAIL.strip()):  # recover the bare problem
-            q = q[len(_DAPO_HEAD.strip()):-len(_DAPO_TAIL.strip())].strip()
+            q = q[len(_DAPO_HEAD.strip()) : -len(_DAPO_TAIL.strip())].strip()
         return q
     return None
 
@@ -263,8 +286,10 @@ def normalise_row(row: dict, where: str) -> dict:
     """{question, answer} from a row of any supported schema; an error naming ``where`` if a field is missing."""
     question = _question(row)
     if question is None:
-        raise SystemExit(f"{where}: no question (looked for a non-empty 'problem', 'question' or 'prompt'; "
-                         f"fields present: {sorted(row)}).")
+        raise SystemExit(
+            f"{where}: no question (looked for a non-empty 'problem', 'question' or 'prompt'; "
+            f"fields present: {sorted(row)})."
+        )
     answer = None
     for key in ("answer", "final_answer", "ground_truth"):
         if key in row:
@@ -278,8 +303,10 @@ def normalise_row(row: dict, where: str) -> dict:
         elif isinstance(row.get("solution"), str):
             answer = last_boxed(row["solution"])
         if answer is None:
-            raise SystemExit(f"{where}: no answer (looked for 'answer', 'final_answer', 'ground_truth', "
-                             f"'reward_model.ground_truth' or a \\boxed{{}} in 'solution'; fields present: {sorted(row)}).")
+            raise SystemExit(
+                f"{where}: no answer (looked for 'answer', 'final_answer', 'ground_truth', "
+                f"'reward_model.ground_truth' or a \\boxed{{}} in 'solution'; fields present: {sorted(row)})."
+            )
     if "####" in answer:  # GSM8K: a worked solution ending in '#### <number>'
         gold = extract_hash_answer(answer)
         if gold is None:
@@ -289,7 +316,9 @@ def normalise_row(row: dict, where: str) -> dict:
 
 
 def _split_file(folder: Path, split: str) -> Path | None:
-    found = [folder / f"{split}{ext}" for ext in (".jsonl", ".json", ".parquet") if (folder / f"{split}{ext}").is_file()]
+    found = [
+        folder / f"{split}{ext}" for ext in (".jsonl", ".json", ".parquet") if (folder / f"{split}{ext}").is_file()
+    ]
     return found[0] if found else None
 
 
@@ -301,20 +330,24 @@ def load_rows(name: str, source: tuple, path: str | None, flag: str) -> list[dic
         p = Path(path)
         file = _split_file(p, split) if p.is_dir() else p
         if file is None or not file.is_file():
-            raise SystemExit(f"{flag} {path}: expected a folder with {split}.jsonl (or .json/.parquet), "
-                             f"or such a file.")
+            raise SystemExit(
+                f"{flag} {path}: expected a folder with {split}.jsonl (or .json/.parquet), or such a file."
+            )
         rows = read_rows(file, flag)
         return [normalise_row(r, f"{file}: row {i}") for i, r in enumerate(rows, 1)]
     try:
         import datasets
     except ImportError:
-        raise SystemExit(f"{name} from the hub needs `pip install datasets`; or pass {flag} <a local "
-                         f"json/jsonl/parquet copy>.") from None
+        raise SystemExit(
+            f"{name} from the hub needs `pip install datasets`; or pass {flag} <a local json/jsonl/parquet copy>."
+        ) from None
     try:
         ds = datasets.load_dataset(hub, config, split=split) if config else datasets.load_dataset(hub, split=split)
     except Exception as e:  # offline, unknown revision, ...: say what to do instead
-        raise SystemExit(f"could not load {name} from the hub ({hub}, split {split}): {type(e).__name__}: {e}\n"
-                         f"pass {flag} <a local json/jsonl/parquet copy> instead.") from None
+        raise SystemExit(
+            f"could not load {name} from the hub ({hub}, split {split}): {type(e).__name__}: {e}\n"
+            f"pass {flag} <a local json/jsonl/parquet copy> instead."
+        ) from None
     return [normalise_row(r, f"{hub}[{split}] row {i}") for i, r in enumerate(ds, 1)]
 
 
@@ -331,14 +364,24 @@ def check_numeric_answers(rows: list[dict], verifier: str, template: str, what: 
         return
     bad = [r["answer"] for r in rows if normalise_number(r["answer"]) is None]
     if bad:
-        raise SystemExit(f"--prompt-template {template} checks a plain number ({verifier}), but {len(bad)} of "
-                         f"{len(rows)} {what} answers are not numbers (e.g. {bad[0]!r}); use --prompt-template "
-                         f"m2po (\\boxed{{}} + math_verify) or dapo.")
+        raise SystemExit(
+            f"--prompt-template {template} checks a plain number ({verifier}), but {len(bad)} of "
+            f"{len(rows)} {what} answers are not numbers (e.g. {bad[0]!r}); use --prompt-template "
+            f"m2po (\\boxed{{}} + math_verify) or dapo."
+        )
 
 
-def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_task: str | None = None,
-              eval_data_path: str | None = None, eval_size: int = 200, prompt_template: str = "auto",
-              seed: int = 1) -> Task:
+def make_task(
+    name: str,
+    *,
+    digits: int = 2,
+    data_path: str | None = None,
+    eval_task: str | None = None,
+    eval_data_path: str | None = None,
+    eval_size: int = 200,
+    prompt_template: str = "auto",
+    seed: int = 1,
+) -> Task:
     """Build a task by name; an unknown name, template or benchmark is an error that lists the known ones.
 
     ``eval_size`` > 0 keeps the first ``eval_size`` eval problems (0: all of them). Training problems whose
@@ -352,13 +395,17 @@ def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_
     verifier = resolve_template(template)[2]  # also rejects an unknown template before any data is read
     if name == "arithmetic":
         if eval_task not in (None, "arithmetic") or eval_data_path or data_path:
-            raise SystemExit("--task arithmetic is generated: it takes no --data-path / --eval-data-path and "
-                             "evaluates on its own held-out problems (leave --eval-task unset).")
+            raise SystemExit(
+                "--task arithmetic is generated: it takes no --data-path / --eval-data-path and "
+                "evaluates on its own held-out problems (leave --eval-task unset)."
+            )
         return make_arithmetic_task(digits, eval_size, seed, template)
     if name == "chain":
         if eval_task not in (None, "chain") or eval_data_path or data_path:
-            raise SystemExit("--task chain is generated: it takes no --data-path / --eval-data-path and evaluates on "
-                             "its own held-out problems (leave --eval-task unset).")
+            raise SystemExit(
+                "--task chain is generated: it takes no --data-path / --eval-data-path and evaluates on "
+                "its own held-out problems (leave --eval-task unset)."
+            )
         return make_chain_task(digits, eval_size, seed, template)
     eval_name = eval_task or DEFAULT_EVAL[name]
     if eval_name not in BENCHMARKS:
@@ -391,8 +438,14 @@ def make_task(name: str, *, digits: int = 2, data_path: str | None = None, eval_
             out.append(kept[orders[epoch][i]])
         return out
 
-    info = {"train_size": len(kept), "train_dropped_as_eval": len(train) - len(kept), "eval_task": eval_name,
-            "eval_size": len(eval_rows), "test_size": len(evals), "eval_source": eval_data_path or BENCHMARKS[eval_name][0]}
+    info = {
+        "train_size": len(kept),
+        "train_dropped_as_eval": len(train) - len(kept),
+        "eval_task": eval_name,
+        "eval_size": len(eval_rows),
+        "test_size": len(evals),
+        "eval_source": eval_data_path or BENCHMARKS[eval_name][0],
+    }
     return _apply_template(name, eval_rows, train_rows, template, info)
 
 
@@ -400,9 +453,12 @@ def encode_prompt(tokenizer, text: str, chat_template: bool = True) -> list[int]
     """Token ids of a prompt: the chat template with a generation prompt (instruct models), or raw text."""
     if chat_template:
         if tokenizer.chat_template is None:
-            raise SystemExit("this tokenizer has no chat template; pass --chat-template False (or a raw-text "
-                             "--prompt-template such as tba).")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+            raise SystemExit(
+                "this tokenizer has no chat template; pass --chat-template False (or a raw-text "
+                "--prompt-template such as tba)."
+            )
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return tokenizer(text)["input_ids"]

@@ -17,8 +17,9 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
 
 
-def progress_line(step: int, total: int, elapsed: float, eta: float, metrics: dict, keys: list[str],
-                  width: int = 20) -> str:
+def progress_line(
+    step: int, total: int, elapsed: float, eta: float, metrics: dict, keys: list[str], width: int = 20
+) -> str:
     """'[#####-----] 5/10 12s<12s | reward 0.41 ...': a bar, the step, elapsed<ETA (``eta`` seconds, e.g.
     Tracker.eta; nan shows '?'), chosen metrics."""
     frac = step / total if total else 1.0
@@ -40,8 +41,16 @@ class Tracker:
     ``resume``: the update a resumed run continues from (its checkpoint's). The file keeps the rows up to it and
     drops later ones (logged by a run killed after that checkpoint, and logged again now): one row per update."""
 
-    def __init__(self, run_dir: str | Path, config: dict, track: bool = False, project: str = "asyncrl",
-                 run_name: str | None = None, resume: int | None = None, enabled: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config: dict,
+        track: bool = False,
+        project: str = "asyncrl",
+        run_name: str | None = None,
+        resume: int | None = None,
+        enabled: bool = True,
+    ):
         self.run_dir, self.enabled = Path(run_dir), enabled
         if not enabled:  # a trainer rank other than 0: logging is rank 0's
             return
@@ -61,16 +70,24 @@ class Tracker:
         if track:
             import wandb  # imported only when asked for
 
-            self.wandb = wandb.init(project=project, name=run_name or self.run_dir.name, config=config,
-                                    dir=str(self.run_dir), mode=os.environ.get("WANDB_MODE", "online"))
+            self.wandb = wandb.init(
+                project=project,
+                name=run_name or self.run_dir.name,
+                config=config,
+                dir=str(self.run_dir),
+                mode=os.environ.get("WANDB_MODE", "online"),
+            )
         self.start = time.time()
         self.last, self.intervals = self.start, []  # (seconds since the previous row, whether it was evaluated)
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return
-        row = {"global_step": step, **{k: (float(v) if hasattr(v, "item") else v) for k, v in metrics.items()},
-               "time/elapsed": self.offset + time.time() - self.start}
+        row = {
+            "global_step": step,
+            **{k: (float(v) if hasattr(v, "item") else v) for k, v in metrics.items()},
+            "time/elapsed": self.offset + time.time() - self.start,
+        }
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         now = time.time()

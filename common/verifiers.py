@@ -65,15 +65,59 @@ _ANSWER_WINDOW = 300  # DAPO only looks at the tail of the response
 
 # Applied in order with str.replace, then every removal below; the lists are the DAPO release's.
 _SUBSTITUTIONS: tuple[tuple[str, str], ...] = (
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
-    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
 )
 _REMOVALS: tuple[str, ...] = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
-    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
-    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
-    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
-    ",\\!", "{,}", '"', "\\dots",
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
 )
 # Wrappers whose content is kept: the first closing brace ends \text/\textbf/\overline (lazy, so
 # "\text{\frac{1}{2}}" loses a brace, as in the release); \boxed keeps everything up to the last brace.
@@ -137,14 +181,14 @@ def _box_content(text: str, start: int) -> str | None:
                     return rest[1:i]
         return None  # unbalanced, e.g. a response truncated inside the box
     end = _SPACE_FORM_END.search(rest)  # "\boxed 5": up to the next '$' or whitespace
-    content = rest[:end.start()] if end else rest
+    content = rest[: end.start()] if end else rest
     return content or None
 
 
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{..}``/``\\fbox{..}``/``\\boxed 5``, braces counted; None if absent/unbalanced."""
     for m in reversed(list(_BOX_COMMANDS.finditer(text))):
-        nxt = text[m.end():m.end() + 1]
+        nxt = text[m.end() : m.end() + 1]
         if nxt == "{" or (nxt and nxt.isspace()):
             return _box_content(text, m.end())
         # "\boxedfoo" or a bare "\boxed" at the very end is not a box: look further left
@@ -156,8 +200,10 @@ def _math_verify():
     try:
         from math_verify import parse, verify
     except ImportError:
-        raise SystemExit("the 'boxed' verifier needs math_verify: `pip install \"math-verify[antlr4_13_2]\"` "
-                         "(a dependency of this project; reinstall it with `pip install -e .`).") from None
+        raise SystemExit(
+            "the 'boxed' verifier needs math_verify: `pip install \"math-verify[antlr4_13_2]\"` "
+            "(a dependency of this project; reinstall it with `pip install -e .`)."
+        ) from None
     return parse, verify
 
 

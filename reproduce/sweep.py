@@ -57,20 +57,47 @@ def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, tba: bool 
     """The flags every figure's runs share: the starting policy, seed, budget, lr, evaluation, staleness and batch shape
     (16 prompts x 8 samples per rollout batch, 4 updates from each = M2PO's recipe; tba.py: 4 prompts x 8 per
     update from its replay buffer, so both take 32 samples per optimizer update)."""
-    flags = ["--model", model, "--seed", str(seed), "--total-updates", str(args.updates), "--learning-rate",
-             str(args.learning_rate), "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size),
-             "--staleness", str(staleness), "--group-size", "8"]
+    flags = [
+        "--model",
+        model,
+        "--seed",
+        str(seed),
+        "--total-updates",
+        str(args.updates),
+        "--learning-rate",
+        str(args.learning_rate),
+        "--eval-every",
+        str(args.eval_every),
+        "--eval-size",
+        str(args.eval_size),
+        "--staleness",
+        str(staleness),
+        "--group-size",
+        "8",
+    ]
     return flags + (["--prompts-per-batch", "4"] if tba else ["--prompts-per-batch", "16", "--updates-per-batch", "4"])
 
 
-def toy_job(models: dict[int, str], args: SweepArgs, algo: str, staleness: int, seed: int, labels: dict,
-            extra: tuple = (), tag: str = "") -> "Job":
+def toy_job(
+    models: dict[int, str],
+    args: SweepArgs,
+    algo: str,
+    staleness: int,
+    seed: int,
+    labels: dict,
+    extra: tuple = (),
+    tag: str = "",
+) -> "Job":
     """A run of ``algo`` from ``models[seed]`` (start_policies) with toy_flags plus ``extra`` flags, named
     <algo>[_<tag>]_s<staleness>_seed<seed> (the tag names the extra flags, so figures that share a configuration share
     the run)."""
     name = f"{algo}{'_' + tag if tag else ''}_s{staleness}_seed{seed}"
-    return Job(name, algo, toy_flags(models[seed], args, seed, staleness, tba=algo == "tba") + list(extra),
-               {**labels, "seed": seed})
+    return Job(
+        name,
+        algo,
+        toy_flags(models[seed], args, seed, staleness, tba=algo == "tba") + list(extra),
+        {**labels, "seed": seed},
+    )
 
 
 def select(jobs: list["Job"], only: list[str]) -> list["Job"]:
@@ -79,8 +106,10 @@ def select(jobs: list["Job"], only: list[str]) -> list["Job"]:
     chosen = [j for j in jobs if set(only) <= {str(v) for k, v in j.labels.items() if k != "seed"}]
     if not chosen:
         labels = sorted({str(v) for j in jobs for k, v in j.labels.items() if k != "seed"})
-        raise SystemExit(f"--only {' '.join(only)}: no run of this figure has all of these labels; its labels are "
-                         f"{', '.join(labels)}")
+        raise SystemExit(
+            f"--only {' '.join(only)}: no run of this figure has all of these labels; its labels are "
+            f"{', '.join(labels)}"
+        )
     return chosen
 
 
@@ -89,9 +118,11 @@ def run_sweep(jobs: list["Job"], args: SweepArgs, keys: list[str], out: str | Pa
     jobs = select(jobs, args.only)
     seconds = run_jobs(jobs, args.work_dir, args.parallel)
     write_csv(collect(jobs, args.work_dir, keys, bin_size), out)
-    print(f"wrote {out}: {len(jobs)} runs, {sum(seconds.values()) / 60:.1f} run-minutes "
-          f"(about {sum(seconds.values()) / 60 / args.parallel:.0f} minutes of wall-clock at --parallel "
-          f"{args.parallel})")
+    print(
+        f"wrote {out}: {len(jobs)} runs, {sum(seconds.values()) / 60:.1f} run-minutes "
+        f"(about {sum(seconds.values()) / 60 / args.parallel:.0f} minutes of wall-clock at --parallel "
+        f"{args.parallel})"
+    )
 
 
 # The starting policy every figure assumes, on the 500 held-out 2-digit additions: its greedy accuracy and the accuracy
@@ -106,8 +137,17 @@ def toy_policy(seed: int) -> str:
     path = cache_root() / f"toy-arith-seed{seed}"
     if not (path / "toy_policy.json").exists():
         print(f"[sweep] building the toy policy for seed {seed} in {path} (once, minutes)", flush=True)
-        subprocess.run([sys.executable, str(ROOT / "reproduce" / "toy" / "make_toy_policy.py"), "--seed", str(seed),
-                        "--out", str(path)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "reproduce" / "toy" / "make_toy_policy.py"),
+                "--seed",
+                str(seed),
+                "--out",
+                str(path),
+            ],
+            check=True,
+        )
     return str(path)
 
 
@@ -116,15 +156,16 @@ def starting_accuracy(model: str, eval_size: int) -> dict:
     one sample per problem at temperature 0.7, scored as the toy policy's builder scores them (the scripts' sampler,
     bf16 autocast, the task's reward)."""
     sys.path.insert(0, str(ROOT / "reproduce" / "toy"))
-    from make_toy_policy import greedy_accuracy, sampled_accuracy
-
     from common.models import load_model, load_tokenizer, resolve_model
     from common.tasks import make_task
+    from make_toy_policy import greedy_accuracy, sampled_accuracy
 
     path = resolve_model(model)
     policy, tokenizer, task = load_model(path), load_tokenizer(path), make_task("arithmetic", eval_size=eval_size)
-    return {"greedy": greedy_accuracy(policy, tokenizer, task), "sampled": sampled_accuracy(policy, tokenizer, task, 16,
-                                                                                            0.7)}
+    return {
+        "greedy": greedy_accuracy(policy, tokenizer, task),
+        "sampled": sampled_accuracy(policy, tokenizer, task, 16, 0.7),
+    }
 
 
 def start_policies(args: SweepArgs) -> dict[int, str]:
@@ -136,20 +177,29 @@ def start_policies(args: SweepArgs) -> dict[int, str]:
     outside = []
     for model in sorted(set(models.values())):
         scores = starting_accuracy(model, args.eval_size)
-        measured = (f"greedy accuracy {scores['greedy']:.3f} and sampled accuracy {scores['sampled']:.3f} "
-                    f"(temperature 0.7) on {args.eval_size} held-out problems")
+        measured = (
+            f"greedy accuracy {scores['greedy']:.3f} and sampled accuracy {scores['sampled']:.3f} "
+            f"(temperature 0.7) on {args.eval_size} held-out problems"
+        )
         inside = all(low <= scores[k] <= high for k, (low, high) in START_BANDS.items())
-        print(f"[sweep] starting policy {model}: {measured}, {'inside' if inside else 'OUTSIDE'} the figures' bands "
-              f"({bands})", flush=True)
+        print(
+            f"[sweep] starting policy {model}: {measured}, {'inside' if inside else 'OUTSIDE'} the figures' bands "
+            f"({bands})",
+            flush=True,
+        )
         outside += [] if inside else [model]
     if not outside:
         return models
     message = f"the starting policies {', '.join(outside)} are outside the bands the figures assume ({bands})"
     if not args.any_start:
-        raise SystemExit(f"{message}. Rebuild them (python reproduce/toy/make_toy_policy.py --seed <k> --out <folder> "
-                         f"--overwrite, which trains into those bands), or pass --any-start to run anyway.")
-    print(f"[sweep] WARNING: {message}; running anyway (--any-start): the figures' READMEs do not describe such a "
-          f"start.", flush=True)
+        raise SystemExit(
+            f"{message}. Rebuild them (python reproduce/toy/make_toy_policy.py --seed <k> --out <folder> "
+            f"--overwrite, which trains into those bands), or pass --any-start to run anyway."
+        )
+    print(
+        f"[sweep] WARNING: {message}; running anyway (--any-start): the figures' READMEs do not describe such a start.",
+        flush=True,
+    )
     return models
 
 
@@ -195,14 +245,17 @@ def run_jobs(jobs: list[Job], work_dir: str | Path, parallel: int = 2, threads: 
         if (run_dir / "done").exists():
             recorded = (run_dir / "command.txt").read_text() if (run_dir / "command.txt").exists() else None
             if recorded != j.flags():
-                raise ValueError(f"{run_dir} finished with other flags ({recorded!r}) than this sweep's "
-                                 f"({j.flags()!r}): delete that folder or pass another --work-dir")
+                raise ValueError(
+                    f"{run_dir} finished with other flags ({recorded!r}) than this sweep's "
+                    f"({j.flags()!r}): delete that folder or pass another --work-dir"
+                )
             seconds[j.name] = float((run_dir / "done").read_text())
         else:
             todo.append(j)
     t_start, total = time.time(), len(todo)
-    print(f"[sweep] {len(jobs)} runs in {work_dir} ({len(jobs) - total} already done), {parallel} at a time",
-          flush=True)
+    print(
+        f"[sweep] {len(jobs)} runs in {work_dir} ({len(jobs) - total} already done), {parallel} at a time", flush=True
+    )
     while todo or running:
         while todo and len(running) < parallel:
             j = todo.pop(0)
@@ -226,8 +279,11 @@ def run_jobs(jobs: list[Job], work_dir: str | Path, parallel: int = 2, threads: 
             seconds[j.name] = time.time() - t0
             (work_dir / "runs" / j.name / "done").write_text(f"{seconds[j.name]:.1f}")
             finished = total - len(todo) - len(running)
-            print(f"[sweep] {finished}/{total} {j.name} {seconds[j.name]:.0f}s "
-                  f"(sweep {format_duration(time.time() - t_start)})", flush=True)
+            print(
+                f"[sweep] {finished}/{total} {j.name} {seconds[j.name]:.0f}s "
+                f"(sweep {format_duration(time.time() - t_start)})",
+                flush=True,
+            )
     return seconds
 
 
@@ -242,13 +298,20 @@ def collect(jobs: list[Job], work_dir: str | Path, keys: list[str], bin_size: in
         for m in metrics:
             step = m["global_step"]
             if any(k.startswith("eval/") for k in m):
-                rows.append({**j.labels, "global_step": step, "time/elapsed": m.get("time/elapsed"),
-                             **{k: m[k] for k in keys if k.startswith("eval/") and k in m}})
+                rows.append(
+                    {
+                        **j.labels,
+                        "global_step": step,
+                        "time/elapsed": m.get("time/elapsed"),
+                        **{k: m[k] for k in keys if k.startswith("eval/") and k in m},
+                    }
+                )
             train = {k: m[k] for k in keys if not k.startswith("eval/") and k in m}
             if train and step > 0:
-                bins[math.ceil(step / bin_size) * bin_size].append({**train, "_step": step,
-                                                                     "_elapsed": m.get("time/elapsed")})
-        for end, items in sorted(bins.items()):
+                bins[math.ceil(step / bin_size) * bin_size].append(
+                    {**train, "_step": step, "_elapsed": m.get("time/elapsed")}
+                )
+        for _end, items in sorted(bins.items()):
             row = {**j.labels, "global_step": items[-1]["_step"], "time/elapsed": items[-1]["_elapsed"]}
             for k in keys:
                 vals = [it[k] for it in items if k in it and it[k] is not None]
@@ -301,8 +364,13 @@ def curves(rows: list[dict], group: str, y: str, x: str = "global_step") -> dict
         n = len(seeds[g])
         steps = sorted(k for k, v in points.items() if len(v) == n)
         ys = [[p[1] for p in points[k]] for k in steps]
-        out[g] = ([sum(p[0] for p in points[k]) / n for k in steps], [sum(v) / n for v in ys], [min(v) for v in ys],
-                  [max(v) for v in ys], n)
+        out[g] = (
+            [sum(p[0] for p in points[k]) / n for k in steps],
+            [sum(v) / n for v in ys],
+            [min(v) for v in ys],
+            [max(v) for v in ys],
+            n,
+        )
     return out
 
 
@@ -312,8 +380,10 @@ def final_values(rows: list[dict], group: str, y: str, last: int = 1) -> dict:
     for r in rows:
         if y in r:
             per[r[group]][r.get("seed")].append((r["global_step"], r[y]))
-    return {g: [sum(v for _, v in sorted(pts)[-last:]) / min(last, len(pts)) for pts in seeds.values()]
-            for g, seeds in per.items()}
+    return {
+        g: [sum(v for _, v in sorted(pts)[-last:]) / min(last, len(pts)) for pts in seeds.values()]
+        for g, seeds in per.items()
+    }
 
 
 def run_means(rows: list[dict], group: str, value, y: str) -> list[float]:
@@ -334,8 +404,16 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
     return mean, sd
 
 
-def plot_curves(ax, rows: list[dict], group: str, y: str, x: str = "global_step", order: list | None = None,
-                labels: dict | None = None, scale: float = 1.0) -> None:
+def plot_curves(
+    ax,
+    rows: list[dict],
+    group: str,
+    y: str,
+    x: str = "global_step",
+    order: list | None = None,
+    labels: dict | None = None,
+    scale: float = 1.0,
+) -> None:
     """Mean of ``y`` over seeds per group as a line, the min-max range over seeds as a band."""
     data = curves(rows, group, y, x)
     for g in order or sorted(data):
@@ -343,10 +421,11 @@ def plot_curves(ax, rows: list[dict], group: str, y: str, x: str = "global_step"
             continue
         xs, mean, lo, hi, n = data[g]
         name = (labels or {}).get(g, g)
-        line, = ax.plot(xs, [v * scale for v in mean], label=f"{name} (n={n})")
+        (line,) = ax.plot(xs, [v * scale for v in mean], label=f"{name} (n={n})")
         if n > 1:
-            ax.fill_between(xs, [v * scale for v in lo], [v * scale for v in hi], color=line.get_color(), alpha=0.2,
-                            linewidth=0)
+            ax.fill_between(
+                xs, [v * scale for v in lo], [v * scale for v in hi], color=line.get_color(), alpha=0.2, linewidth=0
+            )
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -378,8 +457,7 @@ def figure(n_panels: int, width: float = 4.6, height: float = 3.6, sharey: bool 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, n_panels, figsize=(width * n_panels, height), squeeze=False,
-                             sharey=sharey)
+    fig, axes = plt.subplots(1, n_panels, figsize=(width * n_panels, height), squeeze=False, sharey=sharey)
     return fig, list(axes[0])
 
 

@@ -50,9 +50,16 @@ def tiny_llama(tmp_path_factory, tokenizer_path, name: str, **shape) -> str:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    cfg = LlamaConfig(vocab_size=len(tok), num_hidden_layers=2, max_position_embeddings=512, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      **shape)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **shape,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     warm_start(model, tok)
@@ -65,31 +72,78 @@ def tiny_llama(tmp_path_factory, tokenizer_path, name: str, **shape) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory, default_tokenizer_path):
     """A randomly initialised 2-layer Llama with the default model's tokenizer and chat template."""
-    return tiny_llama(tmp_path_factory, default_tokenizer_path, "tiny-llama", hidden_size=32, intermediate_size=64,
-                      num_attention_heads=4, num_key_value_heads=2)
+    return tiny_llama(
+        tmp_path_factory,
+        default_tokenizer_path,
+        "tiny-llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_vllm_model_path(tmp_path_factory, default_tokenizer_path):
     """The tiny Llama with 32-dim heads (vLLM's CPU attention needs head sizes that are multiples of 32)."""
-    return tiny_llama(tmp_path_factory, default_tokenizer_path, "tiny-llama-vllm", hidden_size=64,
-                      intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    return tiny_llama(
+        tmp_path_factory,
+        default_tokenizer_path,
+        "tiny-llama-vllm",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
 
 
 def run_script(script: str, *flags: str, cwd, timeout: int = 240, check: bool = True):
     """Run algorithms/<script> in a subprocess from ``cwd`` (so runs/ lands there)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "algorithms" / script), *flags], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "algorithms" / script), *flags],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
 TOY_SCRIPT = "../reproduce/toy/make_toy_policy.py"  # run_script resolves it against algorithms/
-TOY_TINY = ["--max-steps", "3", "--check-every", "3", "--band", "0", "1", "--sampled-band", "0", "1",
-            "--batch-size", "8", "--hidden-size", "64", "--num-layers", "1", "--num-heads", "2",
-            "--num-kv-heads", "1", "--intermediate-size", "64", "--eval-size", "8", "--eval-max-new-tokens", "6"]
+TOY_TINY = [
+    "--max-steps",
+    "3",
+    "--check-every",
+    "3",
+    "--band",
+    "0",
+    "1",
+    "--sampled-band",
+    "0",
+    "1",
+    "--batch-size",
+    "8",
+    "--hidden-size",
+    "64",
+    "--num-layers",
+    "1",
+    "--num-heads",
+    "2",
+    "--num-kv-heads",
+    "1",
+    "--intermediate-size",
+    "64",
+    "--eval-size",
+    "8",
+    "--eval-max-new-tokens",
+    "6",
+]
 
 
 @pytest.fixture(scope="session")
@@ -108,11 +162,19 @@ def run_torchrun(script: str, *flags: str, cwd, nproc: int = 2, timeout: int = 3
     ``nproc`` trainer ranks on CPUs (gloo), one thread each."""
     path = script if os.path.isabs(str(script)) else str(ROOT / "algorithms" / script)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                           path, *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), path, *flags],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun {script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
-                             f"stderr:\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"torchrun {script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+            f"stderr:\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
@@ -121,15 +183,30 @@ def own_copies(name: str, besides: tuple[str, ...] = ()) -> list:
     """Every algorithms/ script's own copy of the module-level function ``name``, as pytest params named after the
     script: each script keeps its own copies of the loss helpers (one file = one algorithm), so a test of a helper
     runs on each copy. ``besides``: scripts whose copy differs on purpose and has its own test there."""
-    scripts = [p.stem for p in sorted((ROOT / "algorithms").glob("*.py"))
-               if re.search(rf"^def {name}\(", p.read_text(), re.MULTILINE)]
+    scripts = [
+        p.stem
+        for p in sorted((ROOT / "algorithms").glob("*.py"))
+        if re.search(rf"^def {name}\(", p.read_text(), re.MULTILINE)
+    ]
     assert set(besides) <= set(scripts), f"{besides} do not define {name}: {scripts}"
     return [pytest.param(getattr(importlib.import_module(s), name), id=s) for s in scripts if s not in besides]
 
 
 # ---------------------------------------------------------------- helpers the run tests share
-FAST = ["--digits", "1", "--prompts-per-batch", "2", "--group-size", "4", "--max-new-tokens", "6", "--eval-size", "8",
-        "--eval-every", "2"]
+FAST = [
+    "--digits",
+    "1",
+    "--prompts-per-batch",
+    "2",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "6",
+    "--eval-size",
+    "8",
+    "--eval-every",
+    "2",
+]
 NOT_TIMING = lambda k: not (k.startswith("time/") or k.endswith("tokens_per_sec") or k == "async/queue_size")
 
 
@@ -195,5 +272,7 @@ def pytest_collection_modifyitems(config, items):
         if needs - marks:
             missing.append(f"{item.nodeid}: mark it {', '.join(sorted(needs - marks))}")
     if missing:
-        raise pytest.UsageError("a test that starts a subprocess, torchrun or vLLM needs its marker (tests/conftest.py):"
-                                "\n  " + "\n  ".join(missing))
+        raise pytest.UsageError(
+            "a test that starts a subprocess, torchrun or vLLM needs its marker (tests/conftest.py):"
+            "\n  " + "\n  ".join(missing)
+        )

@@ -12,11 +12,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.batching import collate, response_logprobs  # noqa: E402
-from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,  # noqa: E402
-                                is_sharded, load_full_state_dicts, merge_ranks, shard_model, shutdown)
-from common.engine import HFEngine, sample, weight_payload  # noqa: E402
-from common.models import load_model  # noqa: E402
+from common.batching import collate, response_logprobs
+from common.distributed import (
+    all_ranks,
+    barrier,
+    broadcast,
+    full_state_dicts,
+    gathered_params,
+    init_distributed,
+    is_sharded,
+    load_full_state_dicts,
+    merge_ranks,
+    shard_model,
+    shutdown,
+)
+from common.engine import HFEngine, sample, weight_payload
+from common.models import load_model
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
@@ -31,8 +42,9 @@ if __name__ == "__main__":
     # collectives on plain values
     assert broadcast({"rank": rank}) == {"rank": 0}
     assert all_ranks(rank * 10) == [0, 10]
-    toks, total, names = merge_ranks({"x": [torch.full((2,), float(rank)), torch.tensor([5.0 + rank])]}, rank + 1.5,
-                                     [f"r{rank}"])
+    toks, total, names = merge_ranks(
+        {"x": [torch.full((2,), float(rank)), torch.tensor([5.0 + rank])]}, rank + 1.5, [f"r{rank}"]
+    )
     assert toks["x"].tolist() == [0, 0, 5, 1, 1, 6] and total == 4.0 and names == ["r0", "r1"], (toks, total, names)
 
     # a sharded trainer's gradients are the one-process gradients of the whole batch (summed over ranks)
@@ -51,7 +63,7 @@ if __name__ == "__main__":
     mb_all = collate(prompts, responses, 0)
     logp_all, _ = response_logprobs(full, mb_all, temperature=0.7, chunk_tokens=4)
     (-(logp_all * mb_all["response_mask"]).sum() / n_tokens).backward()
-    assert close(logp, logp_all[mine, :logp.shape[1]]), "sharded log-probs differ from the unsharded model's"
+    assert close(logp, logp_all[mine, : logp.shape[1]]), "sharded log-probs differ from the unsharded model's"
     for n, p in full.named_parameters():
         assert close(grads[n], p.grad), f"gradient of {n} differs from the one-process gradient"
 
@@ -89,10 +101,12 @@ if __name__ == "__main__":
     plain.load_state_dict({n: t.full_tensor() for n, t in model.state_dict().items()})
     rank_prompts = [[5, 6, 7]] if rank == 0 else [[8, 9], [10, 11, 12]]
     with gathered_params(model):
-        got = sample(model, rank_prompts, max_new_tokens=3 + 4 * rank, eos_ids=[], pad_id=0, greedy=True,
-                     autocast=False)[0]
-    want = sample(plain, rank_prompts, max_new_tokens=3 + 4 * rank, eos_ids=[], pad_id=0, greedy=True,
-                  autocast=False)[0]
+        got = sample(
+            model, rank_prompts, max_new_tokens=3 + 4 * rank, eos_ids=[], pad_id=0, greedy=True, autocast=False
+        )[0]
+    want = sample(plain, rank_prompts, max_new_tokens=3 + 4 * rank, eos_ids=[], pad_id=0, greedy=True, autocast=False)[
+        0
+    ]
     assert got == want, (got, want)
     with torch.no_grad():  # and the model is sharded again afterwards: a collective forward still works
         again, _ = response_logprobs(model, sync_mb, temperature=0.7, with_grad=False)

@@ -11,31 +11,64 @@ import torch
 
 from common import models
 from common.batching import collate, pad_float, response_logprobs
-from common.checkpoint import (NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, save_model,
-                               set_rng_state)
+from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, save_model, set_rng_state
 from common.distributed import full_model_state
-from common.engine import (HFEngine, inverse_cdf_sample, left_pad, position_ids_from_mask, sample, sampling_logprobs,
-                           weight_payload)
+from common.engine import (
+    HFEngine,
+    inverse_cdf_sample,
+    left_pad,
+    position_ids_from_mask,
+    sample,
+    sampling_logprobs,
+    weight_payload,
+)
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
-from common.tasks import (TEMPLATES, correctness_reward, encode_prompt, extract_hash_answer, extract_last_number,
-                          load_benchmark, make_arithmetic_task, make_chain_task, make_task, normalise_row, read_rows)
+from common.tasks import (
+    TEMPLATES,
+    correctness_reward,
+    encode_prompt,
+    extract_hash_answer,
+    extract_last_number,
+    load_benchmark,
+    make_arithmetic_task,
+    make_chain_task,
+    make_task,
+    normalise_row,
+    read_rows,
+)
 from common.tracking import Tracker, format_duration, parse_row, progress_line, read_metrics
 
 
 # ------------------------------------------------------------------ tasks and verifiers
-@pytest.mark.parametrize("text,expected", [
-    ("The answer is 42.", "42"), ("12 + 30 = 42", "42"), ("-7", "-7"), ("1,234 apples", "1234"),
-    ("3.50", "3.5"), ("no digits here", None), ("", None), ("2.0", "2"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("The answer is 42.", "42"),
+        ("12 + 30 = 42", "42"),
+        ("-7", "-7"),
+        ("1,234 apples", "1234"),
+        ("3.50", "3.5"),
+        ("no digits here", None),
+        ("", None),
+        ("2.0", "2"),
+    ],
+)
 def test_extract_last_number(text, expected):
     assert extract_last_number(text) == expected
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("so 5 + 3 = 8\n#### 8", "8"), ("#### 1,000", "1000"), ("#### -3 dollars", "-3"), ("8", None),
-    ("#### first\n#### 9", "9"), ("####", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so 5 + 3 = 8\n#### 8", "8"),
+        ("#### 1,000", "1000"),
+        ("#### -3 dollars", "-3"),
+        ("8", None),
+        ("#### first\n#### 9", "9"),
+        ("####", None),
+    ],
+)
 def test_extract_hash_answer(text, expected):
     assert extract_hash_answer(text) == expected
 
@@ -130,7 +163,9 @@ def test_unknown_task_is_a_clear_error():
 def write_gsm8k(folder, train_rows, test_rows):
     folder.mkdir(exist_ok=True)
     for name, rows in (("train", train_rows), ("test", test_rows)):
-        (folder / f"{name}.jsonl").write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+        (folder / f"{name}.jsonl").write_text(
+            "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n"
+        )
     return folder
 
 
@@ -146,13 +181,22 @@ def test_gsm8k_local_folder(tmp_path):
     assert "####" in task.prompt(task.eval_rows[0])
 
 
-@pytest.mark.parametrize("bad,match", [
-    ("{not json", "row 2 is not valid JSON"),
-    (json.dumps({"question": "q"}), r"row 2: no answer \(looked for 'answer'"),
-    (json.dumps([1, 2]), "row 2 is not a JSON object"),
-    (json.dumps({"question": "q", "answer": "no hash #### here"}), "row 2: answer does not end with '#### <number>'"),
-    (json.dumps({"question": "q", "answer": "the answer is 12"}), r"grpo checks a plain number \(hash\), but 1 of 2"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ("{not json", "row 2 is not valid JSON"),
+        (json.dumps({"question": "q"}), r"row 2: no answer \(looked for 'answer'"),
+        (json.dumps([1, 2]), "row 2 is not a JSON object"),
+        (
+            json.dumps({"question": "q", "answer": "no hash #### here"}),
+            "row 2: answer does not end with '#### <number>'",
+        ),
+        (
+            json.dumps({"question": "q", "answer": "the answer is 12"}),
+            r"grpo checks a plain number \(hash\), but 1 of 2",
+        ),
+    ],
+)
 def test_gsm8k_malformed_rows_name_file_and_row(tmp_path, bad, match):
     good = {"question": "q", "answer": "#### 1"}
     folder = write_gsm8k(tmp_path / "g", [good, bad], [good])
@@ -268,14 +312,26 @@ def test_inverse_cdf_sample_draws_the_categorical_distribution():
 def test_sample_returns_valid_responses(tiny):
     model, tok = tiny
     prompts = tiny_prompts(tok)
-    res, lps, trunc = sample(model, prompts, max_new_tokens=7, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
-                             generator=torch.Generator().manual_seed(0))
+    res, lps, trunc = sample(
+        model,
+        prompts,
+        max_new_tokens=7,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )
     for r, lp, tr in zip(res, lps, trunc):
         assert 1 <= len(r) <= 7 and len(lp) == len(r) and all(x <= 0 for x in lp)
         assert tr == (tok.eos_token_id not in r)
         assert tok.eos_token_id not in r[:-1]
-    again = sample(model, prompts, max_new_tokens=7, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
-                   generator=torch.Generator().manual_seed(0))
+    again = sample(
+        model,
+        prompts,
+        max_new_tokens=7,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert again[0] == res  # seeded sampling is reproducible
 
 
@@ -330,7 +386,6 @@ def test_engine_weight_sync(tiny):
     assert not any(p.data_ptr() == q.data_ptr() for p in engine.model.parameters() for q in model.parameters())
 
 
-
 def test_engine_before_step_swaps_weights_mid_generation(tiny):
     """Interruptible generation: a callback loads new weights before decoding step 3. Tokens 0-2 carry version 0
     and the old weights' log-probs, tokens 3+ version 1 and the new weights' log-probs. Only the final norm
@@ -359,6 +414,7 @@ def test_engine_before_step_swaps_weights_mid_generation(tiny):
     plain = engine.generate(prompts, max_new_tokens=4, seed=0)  # no callback: one version throughout
     assert all(o["versions"] == [1] * len(o["response"]) and o["version"] == 1 for o in plain)
 
+
 def test_collate_layout():
     b = collate([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], pad_id=0)
     assert b["input_ids"].tolist() == [[1, 2, 3, 5, 6, 0], [0, 0, 4, 7, 8, 9]]
@@ -377,10 +433,14 @@ def test_response_logprobs_match_full_log_softmax(tiny):
     batch = collate(prompts, [[10, 11, 12], [13], [14, 15]], tok.pad_token_id)
     logp, ent = response_logprobs(model, batch, temperature=0.8, chunk_tokens=2)  # several chunks
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits.float() / 0.8
+        logits = (
+            model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+            ).logits.float()
+            / 0.8
+        )
     P = batch["prompt_len"]
-    full = torch.log_softmax(logits[:, P - 1:-1], -1)
+    full = torch.log_softmax(logits[:, P - 1 : -1], -1)
     ref = full.gather(-1, batch["response_ids"][..., None]).squeeze(-1) * batch["response_mask"]
     torch.testing.assert_close(logp.detach(), ref, atol=1e-5, rtol=1e-5)
     ref_ent = -(full.exp() * full).sum(-1) * batch["response_mask"]
@@ -390,10 +450,13 @@ def test_response_logprobs_match_full_log_softmax(tiny):
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("responses", [
-    [[10, 11, 12], [13], [14, 15], [16, 17, 18, 19], [20], [21, 22]],  # ragged responses
-    [[10], [11], [12], [13], [14], [15]],  # one token each: only the prompt pass
-])
+@pytest.mark.parametrize(
+    "responses",
+    [
+        [[10, 11, 12], [13], [14, 15], [16, 17, 18, 19], [20], [21, 22]],  # ragged responses
+        [[10], [11], [12], [13], [14], [15]],  # one token each: only the prompt pass
+    ],
+)
 def test_shared_prompt_pass_matches_full_sequences(tiny, responses):
     """Running each distinct prompt once and gathering its KV cache gives the full-sequence log-probs and
     gradients (fp32), with prompts of different lengths (left padding) in the same batch."""
@@ -419,8 +482,14 @@ def test_shared_prompt_pass_matches_full_sequences(tiny, responses):
 # ------------------------------------------------------------------ tracking and checkpoints
 def test_format_duration_and_progress_line():
     assert [format_duration(x) for x in (12, 75, 3700)] == ["12s", "1m15s", "1h01m"]
-    line = progress_line(5, 10, 50.0, 40.0, {"charts/reward_mean": 0.5, "eval/accuracy": 0.25},
-                         ["charts/reward_mean", "eval/accuracy", "x"])
+    line = progress_line(
+        5,
+        10,
+        50.0,
+        40.0,
+        {"charts/reward_mean": 0.5, "eval/accuracy": 0.25},
+        ["charts/reward_mean", "eval/accuracy", "x"],
+    )
     assert line.startswith("[##########----------] 5/10 50s<40s |")
     assert "reward_mean 0.5" in line and "eval.accuracy 0.25" in line
     assert "?" in progress_line(0, 10, 0.0, float("nan"), {}, [])
@@ -433,8 +502,12 @@ def test_tracker_eta_uses_recent_updates_and_adds_the_evaluations_to_come(tmp_pa
     assert math.isnan(tr.eta(0, 100, 10))
     clock[0] += 300  # update-0 evaluation after a slow start (engine start): not an update's pace
     tr.log({"eval/accuracy": 0.1}, 0)
-    steps = [(1, 60.0, False)] + [(v, 2.0, False) for v in range(2, 10)] + [(10, 7.0, True)] + \
-        [(v, 3.0, False) for v in range(11, 21)]  # a slow first update (FIFO warm-up), then 2 s, then 3 s
+    steps = (
+        [(1, 60.0, False)]
+        + [(v, 2.0, False) for v in range(2, 10)]
+        + [(10, 7.0, True)]
+        + [(v, 3.0, False) for v in range(11, 21)]
+    )  # a slow first update (FIFO warm-up), then 2 s, then 3 s
     for v, dt, evaluated in steps:
         clock[0] += dt
         tr.log({"eval/accuracy": 0.2} if evaluated else {}, v)
@@ -475,8 +548,10 @@ def test_tracker_writes_jsonl_and_config(tmp_path):
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     elapsed = [r.pop("time/elapsed") for r in rows]  # wall-clock since the run started, on every row
     assert 0 <= elapsed[0] <= elapsed[1] < 60
-    assert rows == [{"global_step": 1, "charts/reward_mean": 0.5, "async/policy_version": 1},
-                    {"global_step": 2, "charts/reward_mean": 0.75}]
+    assert rows == [
+        {"global_step": 1, "charts/reward_mean": 0.5, "async/policy_version": 1},
+        {"global_step": 2, "charts/reward_mean": 0.75},
+    ]
     assert json.loads((tmp_path / "run" / "config.json").read_text()) == {"lr": 1e-6}
     tr = Tracker(tmp_path / "run", {}, resume=2)  # resume appends, and its clock carries on from the last row
     tr.log({"a": 1}, step=3)
@@ -490,8 +565,10 @@ def test_tracker_resume_drops_rows_after_the_checkpoint(tmp_path):
     resumed run keeps rows 0-2 and logs 3 and 4 again, one row per update."""
     path = tmp_path / "run" / "metrics.jsonl"
     path.parent.mkdir()
-    path.write_text("".join(json.dumps({"global_step": s, "time/elapsed": float(s)}) + "\n" for s in range(4))
-                    + '{"global_step": 4, "time/ela')
+    path.write_text(
+        "".join(json.dumps({"global_step": s, "time/elapsed": float(s)}) + "\n" for s in range(4))
+        + '{"global_step": 4, "time/ela'
+    )
     tr = Tracker(tmp_path / "run", {}, resume=2)
     assert read_metrics(path) == [{"global_step": s, "time/elapsed": float(s)} for s in range(3)]  # rewritten at once
     assert tr.offset == 2.0  # the clock goes on from the last kept row
@@ -553,8 +630,10 @@ def test_nonfinite_guard():
     guard = NonFiniteGuard(3, log=lambda *a, **k: said.append(a[0]))
     assert guard.check(1, loss=0.5, grad_norm=torch.tensor(2.0))
     assert not guard.check(2, loss=float("nan"), grad_norm=torch.tensor(float("inf")))
-    assert said == ["update 2: non-finite loss nan, grad_norm inf: optimizer step skipped, weights and optimizer "
-                    "state unchanged (1 in a row, 1 in the run)"]
+    assert said == [
+        "update 2: non-finite loss nan, grad_norm inf: optimizer step skipped, weights and optimizer "
+        "state unchanged (1 in a row, 1 in the run)"
+    ]
     assert guard.check(3, loss=0.1) and guard.streak == 0 and guard.skips == 1  # a finite update ends the streak
     assert not guard.check(4, loss=float("-inf")) and not guard.check(5, loss=float("nan")) and not guard.exhausted
     assert not guard.check(6, loss=float("nan")) and guard.exhausted and guard.skips == 4
@@ -571,8 +650,9 @@ def _rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status") or platform.libc_ver()[0] != "glibc",
-                    reason="needs glibc and /proc")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/status") or platform.libc_ver()[0] != "glibc", reason="needs glibc and /proc"
+)
 def test_release_free_memory_returns_fragmented_heap_pages():
     # 64 KiB blocks stay below glibc's mmap threshold, so they live on the heap; keeping every 8th one
     # alive pins the heap's top, so free() alone cannot give the pages back: only a trim can.
@@ -590,10 +670,17 @@ def test_release_free_memory_returns_fragmented_heap_pages():
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.mark.parametrize("name,first_answer,n", [
-    ("math500", "\\left( 3, \\frac{\\pi}{2} \\right)", 4), ("aime24", "204", 2), ("amc23", "142", 3),
-    ("minerva", "9.6", 3), ("olympiadbench", "2", 3), ("gsm8k", "18", 3),
-])
+@pytest.mark.parametrize(
+    "name,first_answer,n",
+    [
+        ("math500", "\\left( 3, \\frac{\\pi}{2} \\right)", 4),
+        ("aime24", "204", 2),
+        ("amc23", "142", 3),
+        ("minerva", "9.6", 3),
+        ("olympiadbench", "2", 3),
+        ("gsm8k", "18", 3),
+    ],
+)
 def test_benchmarks_load_from_local_fixtures(name, first_answer, n):
     path = FIXTURES / ("gsm8k" if name == "gsm8k" else f"{name}.json")
     rows = load_benchmark(name, str(path))
@@ -607,8 +694,10 @@ def test_loader_schema_quirks():
     assert load_benchmark("aime24", str(FIXTURES / "aime24.json"))[1]["answer"] == "025"
     assert normalise_row({"problem": "p", "answer": [1, 2.5]}, "x")["answer"] == "1, 2.5"
     # MATH as on the hub (DigitalLearningGmbH/MATH-lighteval): the answer is the last \boxed{} of the solution
-    assert normalise_row({"problem": "p", "solution": "so \\boxed{1} no, \\boxed{\\frac{a}{b}}."}, "x")["answer"] == \
-        "\\frac{a}{b}"
+    assert (
+        normalise_row({"problem": "p", "solution": "so \\boxed{1} no, \\boxed{\\frac{a}{b}}."}, "x")["answer"]
+        == "\\frac{a}{b}"
+    )
 
 
 def test_unknown_names_are_clear_errors():
@@ -622,14 +711,17 @@ def test_unknown_names_are_clear_errors():
         make_task("arithmetic", eval_task="math500")
 
 
-@pytest.mark.parametrize("content,match", [
-    ('[{"problem": "p"}]', r"math_train.json: row 1: no answer \(looked for"),
-    ('[{"answer": "1"}]', r"row 1: no question .*fields present: \['answer'\]"),
-    ('[{"problem": "p", "answer": ""}]', "row 1: field 'answer' is not a usable answer"),
-    ('{"problem": "p"}', "expected a JSON list of objects, got a dict"),
-    ('[{"problem": "p", "answer": "1"}, 7]', "row 2 is not a JSON object"),
-    ('[{"problem": "p", "answer": "1"', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ('[{"problem": "p"}]', r"math_train.json: row 1: no answer \(looked for"),
+        ('[{"answer": "1"}]', r"row 1: no question .*fields present: \['answer'\]"),
+        ('[{"problem": "p", "answer": ""}]', "row 1: field 'answer' is not a usable answer"),
+        ('{"problem": "p"}', "expected a JSON list of objects, got a dict"),
+        ('[{"problem": "p", "answer": "1"}, 7]', "row 2 is not a JSON object"),
+        ('[{"problem": "p", "answer": "1"', "not valid JSON"),
+    ],
+)
 def test_malformed_rows_name_file_and_row(tmp_path, content, match):
     (tmp_path / "math_train.json").write_text(content)
     with pytest.raises(SystemExit, match=match):
@@ -637,8 +729,13 @@ def test_malformed_rows_name_file_and_row(tmp_path, content, match):
 
 
 def test_math_task_from_local_files_trains_and_evaluates():
-    task = make_task("math", data_path=str(FIXTURES / "math_train.json"),
-                     eval_data_path=str(FIXTURES / "math500.json"), eval_size=0, seed=1)
+    task = make_task(
+        "math",
+        data_path=str(FIXTURES / "math_train.json"),
+        eval_data_path=str(FIXTURES / "math500.json"),
+        eval_size=0,
+        seed=1,
+    )
     assert task.info["eval_task"] == "math500" and task.info["prompt_template"] == "m2po" and task.chat
     assert len(task.eval_rows) == 4 and task.info["train_size"] == 4
     row = task.eval_rows[2]  # gold \frac{14}{3}
@@ -646,15 +743,23 @@ def test_math_task_from_local_files_trains_and_evaluates():
     assert task.reward("... so the answer is \\boxed{\\dfrac{14}{3}}", row) == 1.0
     assert task.reward("... \\boxed{14/3}", row) == 1.0 and task.reward("\\boxed{4.6}", row) == 0.0
     assert task.reward("14/3", row) == 0.0  # the m2po verifier needs a \boxed{}
-    dapo = make_task("math", data_path=str(FIXTURES / "math_train.json"),
-                     eval_data_path=str(FIXTURES / "math500.json"), prompt_template="dapo")
+    dapo = make_task(
+        "math",
+        data_path=str(FIXTURES / "math_train.json"),
+        eval_data_path=str(FIXTURES / "math500.json"),
+        prompt_template="dapo",
+    )
     assert dapo.reward("work\nAnswer: \\frac{14}{3}", row) == 1.0 and "Answer:" in dapo.prompt(row)
 
 
 def test_numeric_templates_refuse_latex_answers():
     with pytest.raises(SystemExit, match=r"grpo checks a plain number \(hash\), but 3 of 4 math500 answers"):
-        make_task("math", data_path=str(FIXTURES / "math_train.json"), eval_data_path=str(FIXTURES / "math500.json"),
-                  prompt_template="grpo")
+        make_task(
+            "math",
+            data_path=str(FIXTURES / "math_train.json"),
+            eval_data_path=str(FIXTURES / "math500.json"),
+            prompt_template="grpo",
+        )
 
 
 def test_raw_text_templates_skip_the_chat_template():
@@ -671,11 +776,19 @@ def test_deepscaler_and_dapo17k_schemas(tmp_path):
     math = json.loads((FIXTURES / "math_train.json").read_text())
     ds = [{"problem": r["problem"], "answer": r["answer"], "solution": "..."} for r in math]
     (tmp_path / "deepscaler.json").write_text(json.dumps(ds))
-    task = make_task("deepscaler", data_path=str(tmp_path / "deepscaler.json"), eval_data_path=str(FIXTURES / "math500.json"))
+    task = make_task(
+        "deepscaler", data_path=str(tmp_path / "deepscaler.json"), eval_data_path=str(FIXTURES / "math500.json")
+    )
     assert [r["answer"] for r in task.train_rows(0, 4)] and task.info["train_size"] == 4
-    wrapped = [{"data_source": "math_dapo", "ability": "MATH",
-                "prompt": [{"role": "user", "content": TEMPLATES["dapo"][0].replace("{question}", r["problem"])}],
-                "reward_model": {"ground_truth": r["answer"], "style": "rule-lighteval/MATH_v2"}} for r in math]
+    wrapped = [
+        {
+            "data_source": "math_dapo",
+            "ability": "MATH",
+            "prompt": [{"role": "user", "content": TEMPLATES["dapo"][0].replace("{question}", r["problem"])}],
+            "reward_model": {"ground_truth": r["answer"], "style": "rule-lighteval/MATH_v2"},
+        }
+        for r in math
+    ]
     pq.write_table(pa.Table.from_pylist(wrapped), tmp_path / "dapo.parquet")
     task = make_task("dapo17k", data_path=str(tmp_path / "dapo.parquet"), eval_data_path=str(FIXTURES / "math500.json"))
     rows = sorted(task.train_rows(0, 4), key=lambda r: r["answer"])
@@ -699,7 +812,9 @@ def test_hub_failure_says_how_to_use_a_local_copy(monkeypatch):
         raise ConnectionError("no internet")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(SystemExit, match=r"(?s)could not load math500 from the hub \(HuggingFaceH4/MATH-500.*--eval-data-path"):
+    with pytest.raises(
+        SystemExit, match=r"(?s)could not load math500 from the hub \(HuggingFaceH4/MATH-500.*--eval-data-path"
+    ):
         load_benchmark("math500")
 
 

@@ -18,12 +18,20 @@ pytestmark = pytest.mark.run  # both start an interpreter: a bare one, or the co
 def clean_env() -> dict:
     """The environment without anything that would put this repository on the module path."""
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")} | {
-        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def test_installing_the_project_adds_no_common_module(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", "import common"], cwd=tmp_path, env=clean_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import common"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "No module named 'common'" in proc.stderr, proc.stdout + proc.stderr
 
 
@@ -33,11 +41,34 @@ def test_a_copied_script_runs_in_another_project(script, tiny_model_path, tmp_pa
     shutil.copytree(ROOT / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
     (project / "experiments").mkdir()
     shutil.copy(ROOT / "algorithms" / script, project / "experiments" / script)
-    flags = ["--model", tiny_model_path, "--digits", "1", "--prompts-per-batch", "2", "--group-size", "4",
-             "--max-new-tokens", "6", "--eval-size", "8", "--eval-every", "1", "--total-updates", "1",
-             "--run-name", "copied"]
-    proc = subprocess.run([sys.executable, str(project / "experiments" / script), *flags], cwd=project,
-                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    flags = [
+        "--model",
+        tiny_model_path,
+        "--digits",
+        "1",
+        "--prompts-per-batch",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--eval-size",
+        "8",
+        "--eval-every",
+        "1",
+        "--total-updates",
+        "1",
+        "--run-name",
+        "copied",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(project / "experiments" / script), *flags],
+        cwd=project,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (project / "runs" / "copied" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "losses/policy_loss" in r]

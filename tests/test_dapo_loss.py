@@ -19,8 +19,9 @@ def reference_overlong(length: int, l_max: int, l_cache: int) -> float:
 
 @pytest.mark.parametrize("l_max,l_cache", [(16, 4), (20480, 4096), (10, 1)])
 def test_overlong_penalty_in_the_three_length_regimes(l_max, l_cache):
-    lengths = sorted({0, 1, l_max - l_cache - 1, l_max - l_cache, l_max - l_cache + 1, l_max - 1, l_max, l_max + 1,
-                      2 * l_max} - {-1})
+    lengths = sorted(
+        {0, 1, l_max - l_cache - 1, l_max - l_cache, l_max - l_cache + 1, l_max - 1, l_max, l_max + 1, 2 * l_max} - {-1}
+    )
     got = overlong_penalty(torch.tensor(lengths), l_max, l_cache)
     want = torch.tensor([reference_overlong(n, l_max, l_cache) for n in lengths])
     assert torch.allclose(got, want, atol=1e-6)
@@ -83,9 +84,11 @@ def test_clip_higher_is_asymmetric():
     ratios = torch.tensor([[1.25, 1.3, 0.75, 1.0]])
     logp_behav = torch.zeros_like(ratios)
     logp = ratios.log()
-    for adv, eps_high, expected in [(1.0, 0.28, [False, True, False, False]),
-                                    (1.0, 0.2, [True, True, False, False]),
-                                    (-1.0, 0.28, [False, False, True, False])]:
+    for adv, eps_high, expected in [
+        (1.0, 0.28, [False, True, False, False]),
+        (1.0, 0.2, [True, True, False, False]),
+        (-1.0, 0.28, [False, False, True, False]),
+    ]:
         loss, ratio, clipped = clipped_surrogate(logp, logp_behav, torch.tensor([adv]), 0.2, eps_high)
         assert clipped[0].tolist() == expected
         ref_loss, ref_clipped = reference_clip(logp.tolist(), logp_behav.tolist(), [adv], 0.2, eps_high)

@@ -7,8 +7,14 @@ from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
 
 pytestmark = pytest.mark.run
 
-DAPO_KEYS = ["dapo/groups_generated", "dapo/groups_kept", "dapo/sampling_rounds", "dapo/overlong_filtered_frac",
-             "dapo/overlong_penalty_mean", "async/dropped_samples"]
+DAPO_KEYS = [
+    "dapo/groups_generated",
+    "dapo/groups_kept",
+    "dapo/sampling_rounds",
+    "dapo/overlong_filtered_frac",
+    "dapo/overlong_penalty_mean",
+    "async/dropped_samples",
+]
 P, G = 2, 4  # FAST's prompts per batch and group size
 ROUNDS = ["--max-sampling-rounds", "50"]  # the tiny model rarely has a reward spread: room to fill each batch
 
@@ -18,8 +24,20 @@ def train_rows(tmp_path, name):
 
 
 def test_smoke_with_staleness_logs_dynamic_sampling(tiny_model_path, tmp_path):
-    proc = run_script("dapo.py", "--model", tiny_model_path, *FAST, *ROUNDS, "--total-updates", "6", "--staleness",
-                      "3", "--run-name", "s3", cwd=tmp_path)
+    proc = run_script(
+        "dapo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        *ROUNDS,
+        "--total-updates",
+        "6",
+        "--staleness",
+        "3",
+        "--run-name",
+        "s3",
+        cwd=tmp_path,
+    )
     assert "filling: batch 4 of 4" in proc.stdout
     rows = train_rows(tmp_path, "s3")
     assert [r["async/staleness_mean"] for r in rows] == [0, 1, 2, 3, 3, 3]
@@ -35,11 +53,30 @@ def test_smoke_with_staleness_logs_dynamic_sampling(tiny_model_path, tmp_path):
 def test_every_technique_off_is_grpo(tiny_model_path, tmp_path):
     """No clip-higher, no dynamic sampling, sequence-mean loss, no shaping: the +-1 reward's z-scores equal the
     0/1 reward's (up to the std epsilon), so the updates are GRPO's with the same data."""
-    common = ["--model", tiny_model_path, *FAST, "--total-updates", "4", "--staleness", "1", "--engine-dtype",
-              "float32", "--no-bf16"]
+    common = [
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--total-updates",
+        "4",
+        "--staleness",
+        "1",
+        "--engine-dtype",
+        "float32",
+        "--no-bf16",
+    ]
     run_script("grpo.py", *common, "--loss-agg", "seq-mean-token-mean", "--run-name", "grpo", cwd=tmp_path)
-    run_script("dapo.py", *common, "--no-clip-higher", "--no-dynamic-sampling", "--no-token-level-loss",
-               "--no-overlong-shaping", "--run-name", "dapo", cwd=tmp_path)
+    run_script(
+        "dapo.py",
+        *common,
+        "--no-clip-higher",
+        "--no-dynamic-sampling",
+        "--no-token-level-loss",
+        "--no-overlong-shaping",
+        "--run-name",
+        "dapo",
+        cwd=tmp_path,
+    )
     grpo, dapo = train_rows(tmp_path, "grpo"), train_rows(tmp_path, "dapo")
     for a, b in zip(grpo, dapo):
         assert a["charts/accuracy"] == b["charts/accuracy"]
@@ -51,16 +88,42 @@ def test_every_technique_off_is_grpo(tiny_model_path, tmp_path):
 
 def test_dynamic_sampling_stops_with_a_clear_error_after_the_round_limit(tiny_model_path, tmp_path):
     """Near-greedy sampling makes every group's samples identical, so no group ever has a spread."""
-    proc = run_script("dapo.py", "--model", tiny_model_path, *FAST, "--total-updates", "2", "--temperature", "0.001",
-                      "--max-sampling-rounds", "2", "--run-name", "never", cwd=tmp_path, check=False, timeout=120)
+    proc = run_script(
+        "dapo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--total-updates",
+        "2",
+        "--temperature",
+        "0.001",
+        "--max-sampling-rounds",
+        "2",
+        "--run-name",
+        "never",
+        cwd=tmp_path,
+        check=False,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "dynamic sampling: after 2 rounds" in proc.stderr and "--no-dynamic-sampling" in proc.stderr
 
 
 def test_overlong_filtering_masks_truncated_samples(tiny_model_path, tmp_path):
     short = [*FAST, "--max-new-tokens", "2", "--overlong-buffer", "1"]  # most responses are cut at 2 tokens
-    run_script("dapo.py", "--model", tiny_model_path, *short, "--total-updates", "3", "--overlong-filtering",
-               "--no-dynamic-sampling", "--run-name", "filt", cwd=tmp_path)
+    run_script(
+        "dapo.py",
+        "--model",
+        tiny_model_path,
+        *short,
+        "--total-updates",
+        "3",
+        "--overlong-filtering",
+        "--no-dynamic-sampling",
+        "--run-name",
+        "filt",
+        cwd=tmp_path,
+    )
     rows = train_rows(tmp_path, "filt")
     assert any(r["dapo/overlong_filtered_frac"] > 0 for r in rows)
     assert all(r["dapo/overlong_filtered_frac"] == r["charts/truncated_frac"] for r in rows)
@@ -73,20 +136,33 @@ def test_overlong_filtering_masks_truncated_samples(tiny_model_path, tmp_path):
 def test_resume_reproduces_uninterrupted_run(tiny_model_path, tmp_path):
     common = ["--model", tiny_model_path, *FAST, *ROUNDS, "--staleness", "2", "--updates-per-batch", "2"]
     run_script("dapo.py", *common, "--total-updates", "6", "--run-name", "full", cwd=tmp_path)
-    part = run_script("dapo.py", *common, "--total-updates", "6", "--debug-interrupt-at", "3", "--run-name", "part",
-                      cwd=tmp_path, check=False)
+    part = run_script(
+        "dapo.py",
+        *common,
+        "--total-updates",
+        "6",
+        "--debug-interrupt-at",
+        "3",
+        "--run-name",
+        "part",
+        cwd=tmp_path,
+        check=False,
+    )
     assert part.returncode == 130, part.stderr[-2000:]
     run_script("dapo.py", "--resume", str(tmp_path / "runs" / "part"), cwd=tmp_path)
     resumed, full = comparable(metrics_of(tmp_path, "part")), comparable(metrics_of(tmp_path, "full"))
     assert_same_run(resumed, full)  # includes the dynamic-sampling prompt stream position
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--overlong-buffer", "0"], "--overlong-buffer"),
-    (["--overlong-buffer", "6"], "--overlong-buffer"),
-    (["--oversample", "0"], "--oversample"),
-    (["--clip-eps-high", "0"], "--clip-eps-high"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--overlong-buffer", "0"], "--overlong-buffer"),
+        (["--overlong-buffer", "6"], "--overlong-buffer"),
+        (["--oversample", "0"], "--oversample"),
+        (["--clip-eps-high", "0"], "--clip-eps-high"),
+    ],
+)
 def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
     proc = run_script("dapo.py", "--model", tiny_model_path, *FAST, *flags, cwd=tmp_path, check=False, timeout=60)
     assert proc.returncode != 0 and message in proc.stderr

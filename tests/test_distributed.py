@@ -13,36 +13,191 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, assert_same_run_across_ranks, run_script, run_torchrun
-from common.distributed import (all_ranks, barrier, broadcast, full_state_dicts, gathered_params, init_distributed,
-                                is_sharded, load_full_state_dicts, merge_ranks, shard_model, shutdown)
+from common.distributed import (
+    all_ranks,
+    barrier,
+    broadcast,
+    full_state_dicts,
+    gathered_params,
+    init_distributed,
+    is_sharded,
+    load_full_state_dicts,
+    merge_ranks,
+    shard_model,
+    shutdown,
+)
 from common.engine import engine_gpus
 from common.models import load_model
 from common.tracking import read_metrics
+from conftest import ROOT, assert_same_run_across_ranks, run_script, run_torchrun
 
 PRECISE = ["--no-bf16", "--engine-dtype", "float32"]
 G = ["--digits", "1", "--max-new-tokens", "6", "--eval-size", "8", "--eval-every", "2", "--total-updates", "6"]
 RUNS = {  # per script: flags whose 2-rank run exercises the algorithm's own path (staleness, clipping, masking ...)
-    "grpo": ["grpo.py", *G, "--prompts-per-batch", "4", "--group-size", "4", "--micro-batch-size", "4",
-             "--staleness", "2", "--learning-rate", "1e-2", "--kl-coef", "0.05", "--temperature", "1.0"],
-    "m2po": ["m2po.py", *G, "--prompts-per-batch", "4", "--group-size", "8", "--micro-batch-size", "8",
-             "--staleness", "2", "--updates-per-batch", "1", "--learning-rate", "1e-2", "--tau", "0.001"],
-    "dapo": ["dapo.py", "--digits", "1", "--prompts-per-batch", "2", "--group-size", "4", "--max-new-tokens", "3",
-             "--overlong-buffer", "1", "--eval-size", "8", "--eval-every", "2", "--max-sampling-rounds", "50",
-             "--total-updates", "6", "--staleness", "2", "--updates-per-batch", "2", "--micro-batch-size", "1",
-             "--overlong-filtering", "--kl-coef", "0.05", "--learning-rate", "3e-3", "--temperature", "1.0"],
-    "ppo_stale": ["ppo_stale.py", *G, "--prompts-per-batch", "4", "--group-size", "4", "--staleness", "2",
-                  "--updates-per-batch", "2", "--micro-batch-size", "4", "--learning-rate", "1e-2", "--clip-eps", "0.05",
-                  "--behav-weight-cap", "1.1", "--kl-coef", "0.1", "--temperature", "1.0"],
-    "tba": ["tba.py", *G, "--prompts-per-batch", "8", "--group-size", "4", "--learning-rate", "1e-3",
-            "--beta-start", "1.0", "--beta-end", "0.5", "--staleness", "0", "--micro-batch-size", "8"],
-    "vineppo": ["vineppo.py", *G, "--prompts-per-batch", "4", "--group-size", "4", "--mc-samples", "3", "--staleness", "2",
-                "--updates-per-batch", "2", "--epochs", "2", "--micro-batch-size", "2", "--learning-rate", "1e-2",
-                "--kl-coef", "0.1", "--ratio-guard", "1.03"],
-    "vineppo_critic": ["vineppo.py", *G, "--prompts-per-batch", "4", "--group-size", "4", "--seed", "4",
-                       "--value-estimator", "critic", "--critic-head-learning-rate", "1e-2", "--staleness", "2",
-                       "--updates-per-batch", "2", "--epochs", "2", "--micro-batch-size", "5", "--learning-rate", "1e-2",
-                       "--kl-coef", "0.1", "--ratio-guard", "1.03"],
+    "grpo": [
+        "grpo.py",
+        *G,
+        "--prompts-per-batch",
+        "4",
+        "--group-size",
+        "4",
+        "--micro-batch-size",
+        "4",
+        "--staleness",
+        "2",
+        "--learning-rate",
+        "1e-2",
+        "--kl-coef",
+        "0.05",
+        "--temperature",
+        "1.0",
+    ],
+    "m2po": [
+        "m2po.py",
+        *G,
+        "--prompts-per-batch",
+        "4",
+        "--group-size",
+        "8",
+        "--micro-batch-size",
+        "8",
+        "--staleness",
+        "2",
+        "--updates-per-batch",
+        "1",
+        "--learning-rate",
+        "1e-2",
+        "--tau",
+        "0.001",
+    ],
+    "dapo": [
+        "dapo.py",
+        "--digits",
+        "1",
+        "--prompts-per-batch",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "3",
+        "--overlong-buffer",
+        "1",
+        "--eval-size",
+        "8",
+        "--eval-every",
+        "2",
+        "--max-sampling-rounds",
+        "50",
+        "--total-updates",
+        "6",
+        "--staleness",
+        "2",
+        "--updates-per-batch",
+        "2",
+        "--micro-batch-size",
+        "1",
+        "--overlong-filtering",
+        "--kl-coef",
+        "0.05",
+        "--learning-rate",
+        "3e-3",
+        "--temperature",
+        "1.0",
+    ],
+    "ppo_stale": [
+        "ppo_stale.py",
+        *G,
+        "--prompts-per-batch",
+        "4",
+        "--group-size",
+        "4",
+        "--staleness",
+        "2",
+        "--updates-per-batch",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--learning-rate",
+        "1e-2",
+        "--clip-eps",
+        "0.05",
+        "--behav-weight-cap",
+        "1.1",
+        "--kl-coef",
+        "0.1",
+        "--temperature",
+        "1.0",
+    ],
+    "tba": [
+        "tba.py",
+        *G,
+        "--prompts-per-batch",
+        "8",
+        "--group-size",
+        "4",
+        "--learning-rate",
+        "1e-3",
+        "--beta-start",
+        "1.0",
+        "--beta-end",
+        "0.5",
+        "--staleness",
+        "0",
+        "--micro-batch-size",
+        "8",
+    ],
+    "vineppo": [
+        "vineppo.py",
+        *G,
+        "--prompts-per-batch",
+        "4",
+        "--group-size",
+        "4",
+        "--mc-samples",
+        "3",
+        "--staleness",
+        "2",
+        "--updates-per-batch",
+        "2",
+        "--epochs",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--learning-rate",
+        "1e-2",
+        "--kl-coef",
+        "0.1",
+        "--ratio-guard",
+        "1.03",
+    ],
+    "vineppo_critic": [
+        "vineppo.py",
+        *G,
+        "--prompts-per-batch",
+        "4",
+        "--group-size",
+        "4",
+        "--seed",
+        "4",
+        "--value-estimator",
+        "critic",
+        "--critic-head-learning-rate",
+        "1e-2",
+        "--staleness",
+        "2",
+        "--updates-per-batch",
+        "2",
+        "--epochs",
+        "2",
+        "--micro-batch-size",
+        "5",
+        "--learning-rate",
+        "1e-2",
+        "--kl-coef",
+        "0.1",
+        "--ratio-guard",
+        "1.03",
+    ],
 }
 
 
@@ -135,12 +290,14 @@ def test_two_rank_checkpoints_resume_on_one_rank_and_back(tiny_model_path, tmp_p
     script, *flags = RUNS["grpo"]
     flags = ["--model", tiny_model_path, *PRECISE, *flags]
     run_script(script, *flags, "--run-name", "whole", cwd=tmp_path)
-    proc = run_torchrun(script, *flags, "--run-name", "two_then_one", "--debug-interrupt-at", "3", cwd=tmp_path,
-                        check=False)
+    proc = run_torchrun(
+        script, *flags, "--run-name", "two_then_one", "--debug-interrupt-at", "3", cwd=tmp_path, check=False
+    )
     assert "interrupted at update 3" in proc.stdout and proc.returncode != 0
     run_script(script, "--resume", str(tmp_path / "runs" / "two_then_one"), cwd=tmp_path)
-    proc = run_script(script, *flags, "--run-name", "one_then_two", "--debug-interrupt-at", "3", cwd=tmp_path,
-                      check=False)
+    proc = run_script(
+        script, *flags, "--run-name", "one_then_two", "--debug-interrupt-at", "3", cwd=tmp_path, check=False
+    )
     assert proc.returncode == 130
     run_torchrun(script, "--resume", str(tmp_path / "runs" / "one_then_two"), cwd=tmp_path)
     whole = runs_of(tmp_path, "whole")
@@ -150,43 +307,143 @@ def test_two_rank_checkpoints_resume_on_one_rank_and_back(tiny_model_path, tmp_p
 
 @pytest.mark.torchrun
 def test_micro_batches_that_cannot_be_dealt_to_the_ranks_are_refused(tiny_model_path, tmp_path):
-    proc = run_torchrun("grpo.py", "--model", tiny_model_path, "--prompts-per-batch", "2", "--group-size", "4",
-                        "--micro-batch-size", "3", cwd=tmp_path, check=False)
+    proc = run_torchrun(
+        "grpo.py",
+        "--model",
+        tiny_model_path,
+        "--prompts-per-batch",
+        "2",
+        "--group-size",
+        "4",
+        "--micro-batch-size",
+        "3",
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode != 0
-    assert "makes 3 micro-batches of --micro-batch-size 3, which cannot be dealt evenly to 2 trainer ranks" in proc.stderr
+    assert (
+        "makes 3 micro-batches of --micro-batch-size 3, which cannot be dealt evenly to 2 trainer ranks" in proc.stderr
+    )
 
 
 @pytest.mark.run
 def test_vllm_gpus_without_gpus_is_refused(tiny_model_path, tmp_path):
-    proc = run_script("grpo.py", "--model", tiny_model_path, "--vllm-gpus", "1", "--total-updates", "1", cwd=tmp_path,
-                      check=False)
+    proc = run_script(
+        "grpo.py", "--model", tiny_model_path, "--vllm-gpus", "1", "--total-updates", "1", cwd=tmp_path, check=False
+    )
     assert proc.returncode != 0 and "--vllm-gpus needs --engine vllm" in proc.stderr
 
 
 SCALE = ROOT / "reproduce" / "scale"
 PAPER_SETTINGS = {  # per paper (reproduce/scale/<paper>.sh): its script and the settings that make it that paper's run
-    "m2po": ("m2po", dict(model="Qwen/Qwen2.5-Math-7B", task="deepscaler", staleness=256, updates_per_batch=4,
-                          group_size=8, tau=0.04, learning_rate=1e-6, temperature=1.0, kl_coef=0.0)),
-    "grpo": ("grpo", dict(model="deepseek-ai/deepseek-math-7b-instruct", group_size=64, max_new_tokens=1024,
-                          kl_coef=0.04, loss_agg="seq-mean-token-mean", updates_per_batch=1, staleness=0,
-                          learning_rate=1e-6)),
-    "dapo": ("dapo", dict(model="Qwen/Qwen2.5-32B", task="dapo17k", group_size=16, updates_per_batch=16,
-                          max_new_tokens=20480, overlong_buffer=4096, clip_eps_low=0.2, clip_eps_high=0.28,
-                          clip_higher=True, dynamic_sampling=True, oversample=3, token_level_loss=True,
-                          overlong_shaping=True, overlong_filtering=False, kl_coef=0.0, learning_rate=1e-6)),
-    "areal": ("ppo_stale", dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", task="deepscaler", max_staleness=4,
-                                staleness=0, decoupled=True, behav_weight_cap=5.0, clip_eps=0.2, adv_norm="batch",
-                                group_size=16, updates_per_batch=4, learning_rate=2e-5, max_new_tokens=27648)),
-    "tba": ("tba", dict(model="realtreetune/rho-1b-sft-GSM8K", task="gsm8k", prompt_template="tba", group_size=20,
-                        staleness=2, recency_prob=0.95, beta_start=0.014, beta_end=0.004, learning_rate=1e-5,
-                        temperature=0.7, max_new_tokens=512, rounds_ahead=-1)),
-    "vineppo": ("vineppo", dict(model="realtreetune/deepseekmath-7b-sft-GSM8K", task="gsm8k",
-                                prompt_template="vineppo", group_size=8, mc_samples=9, max_steps=25, epochs=2,
-                                updates_per_batch=8, kl_coef=1e-4, clip_eps=0.2, temperature=0.6,
-                                learning_rate=1e-6, value_estimator="mc")),
+    "m2po": (
+        "m2po",
+        dict(
+            model="Qwen/Qwen2.5-Math-7B",
+            task="deepscaler",
+            staleness=256,
+            updates_per_batch=4,
+            group_size=8,
+            tau=0.04,
+            learning_rate=1e-6,
+            temperature=1.0,
+            kl_coef=0.0,
+        ),
+    ),
+    "grpo": (
+        "grpo",
+        dict(
+            model="deepseek-ai/deepseek-math-7b-instruct",
+            group_size=64,
+            max_new_tokens=1024,
+            kl_coef=0.04,
+            loss_agg="seq-mean-token-mean",
+            updates_per_batch=1,
+            staleness=0,
+            learning_rate=1e-6,
+        ),
+    ),
+    "dapo": (
+        "dapo",
+        dict(
+            model="Qwen/Qwen2.5-32B",
+            task="dapo17k",
+            group_size=16,
+            updates_per_batch=16,
+            max_new_tokens=20480,
+            overlong_buffer=4096,
+            clip_eps_low=0.2,
+            clip_eps_high=0.28,
+            clip_higher=True,
+            dynamic_sampling=True,
+            oversample=3,
+            token_level_loss=True,
+            overlong_shaping=True,
+            overlong_filtering=False,
+            kl_coef=0.0,
+            learning_rate=1e-6,
+        ),
+    ),
+    "areal": (
+        "ppo_stale",
+        dict(
+            model="deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+            task="deepscaler",
+            max_staleness=4,
+            staleness=0,
+            decoupled=True,
+            behav_weight_cap=5.0,
+            clip_eps=0.2,
+            adv_norm="batch",
+            group_size=16,
+            updates_per_batch=4,
+            learning_rate=2e-5,
+            max_new_tokens=27648,
+        ),
+    ),
+    "tba": (
+        "tba",
+        dict(
+            model="realtreetune/rho-1b-sft-GSM8K",
+            task="gsm8k",
+            prompt_template="tba",
+            group_size=20,
+            staleness=2,
+            recency_prob=0.95,
+            beta_start=0.014,
+            beta_end=0.004,
+            learning_rate=1e-5,
+            temperature=0.7,
+            max_new_tokens=512,
+            rounds_ahead=-1,
+        ),
+    ),
+    "vineppo": (
+        "vineppo",
+        dict(
+            model="realtreetune/deepseekmath-7b-sft-GSM8K",
+            task="gsm8k",
+            prompt_template="vineppo",
+            group_size=8,
+            mc_samples=9,
+            max_steps=25,
+            epochs=2,
+            updates_per_batch=8,
+            kl_coef=1e-4,
+            clip_eps=0.2,
+            temperature=0.6,
+            learning_rate=1e-6,
+            value_estimator="mc",
+        ),
+    ),
 }
-SMALLER = {"m2po": "Qwen/Qwen2.5-Math-1.5B", "grpo": "Qwen/Qwen2.5-1.5B-Instruct", "dapo": "Qwen/Qwen2.5-1.5B",
-           "areal": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "vineppo": "realtreetune/rho-1b-sft-GSM8K"}
+SMALLER = {
+    "m2po": "Qwen/Qwen2.5-Math-1.5B",
+    "grpo": "Qwen/Qwen2.5-1.5B-Instruct",
+    "dapo": "Qwen/Qwen2.5-1.5B",
+    "areal": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+    "vineppo": "realtreetune/rho-1b-sft-GSM8K",
+}
 
 
 def dry_run(*argv, node_rank="0") -> list[str]:
@@ -195,8 +452,9 @@ def dry_run(*argv, node_rank="0") -> list[str]:
     import subprocess
 
     env = dict(os.environ, DRY_RUN="1", NODE_RANK=node_rank, MASTER_ADDR="10.0.0.1")
-    return shlex.split(subprocess.run(["bash", *map(str, argv)], env=env, check=True, capture_output=True,
-                                      text=True).stdout)
+    return shlex.split(
+        subprocess.run(["bash", *map(str, argv)], env=env, check=True, capture_output=True, text=True).stdout
+    )
 
 
 @pytest.mark.run  # the launch files' DRY_RUN, in bash
@@ -217,7 +475,7 @@ def test_launch_script_flags_parse_and_split_over_its_ranks(paper, mode, world):
     at = next(i for i, a in enumerate(argv) if a.endswith(".py"))
     script, expected = PAPER_SETTINGS[paper]
     assert argv[at] == f"algorithms/{script}.py"
-    args = tyro.cli(importlib.import_module(script).Args, args=argv[at + 1:])
+    args = tyro.cli(importlib.import_module(script).Args, args=argv[at + 1 :])
     if script == "tba":  # whole prompt slots per micro-batch (tba.py's check)
         assert args.micro_batch_size >= args.group_size and args.buffer_capacity >= args.group_size
         n_micro = -(-args.prompts_per_batch // (args.micro_batch_size // args.group_size))

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, run_script
 
 from common.checkpoint import save_checkpoint
+from conftest import ROOT, run_script
 
 SCRIPT = "../reproduce/eval/evaluate.py"  # run_script resolves it against algorithms/
 FIX = ROOT / "tests" / "fixtures"
@@ -37,9 +37,26 @@ def read_outputs(tmp_path):
 
 @pytest.mark.run
 def test_scores_match_the_samples_written(tiny_model_path, tmp_path):
-    run_script(SCRIPT, "--model", tiny_model_path, "--benchmarks", "gsm8k", "amc23", *DATA, "--n", "3",
-               "--temperature", "1.0", "--max-new-tokens", "6", "--limit", "2", "--output", str(tmp_path / "res.csv"),
-               cwd=tmp_path)
+    run_script(
+        SCRIPT,
+        "--model",
+        tiny_model_path,
+        "--benchmarks",
+        "gsm8k",
+        "amc23",
+        *DATA,
+        "--n",
+        "3",
+        "--temperature",
+        "1.0",
+        "--max-new-tokens",
+        "6",
+        "--limit",
+        "2",
+        "--output",
+        str(tmp_path / "res.csv"),
+        cwd=tmp_path,
+    )
     table, samples = read_outputs(tmp_path)
     assert [r["benchmark"] for r in table] == ["gsm8k", "amc23"] and all(r["problems"] == "2" for r in table)
     assert [r["prompt_template"] for r in table] == ["grpo", "m2po"]
@@ -60,14 +77,31 @@ def test_a_checkpoint_scores_its_own_weights(tiny_model_path, tmp_path):
     torch.manual_seed(0)
     changed = {k: (v + torch.randn_like(v) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
     for name, state in (("same", same), ("changed", changed)):
-        save_checkpoint(tmp_path / name / "checkpoint.pt", {"args": {"model": tiny_model_path}, "update": 7,
-                                                            "model": state})
+        save_checkpoint(
+            tmp_path / name / "checkpoint.pt", {"args": {"model": tiny_model_path}, "update": 7, "model": state}
+        )
     texts = {}
-    for name, model_arg in (("folder", tiny_model_path), ("same", str(tmp_path / "same")),
-                            ("changed", str(tmp_path / "changed" / "checkpoint.pt"))):
+    for name, model_arg in (
+        ("folder", tiny_model_path),
+        ("same", str(tmp_path / "same")),
+        ("changed", str(tmp_path / "changed" / "checkpoint.pt")),
+    ):
         out = tmp_path / name / "res.csv"
-        proc = run_script(SCRIPT, "--model", model_arg, "--benchmarks", "gsm8k", *DATA, "--max-new-tokens", "8",
-                          "--engine-dtype", "float32", "--output", str(out), cwd=tmp_path)
+        proc = run_script(
+            SCRIPT,
+            "--model",
+            model_arg,
+            "--benchmarks",
+            "gsm8k",
+            *DATA,
+            "--max-new-tokens",
+            "8",
+            "--engine-dtype",
+            "float32",
+            "--output",
+            str(out),
+            cwd=tmp_path,
+        )
         texts[name] = [json.loads(line)["response"] for line in open(out.with_suffix(".samples.jsonl"))]
         if name != "folder":
             assert "update 7 of a run on" in proc.stdout
@@ -77,28 +111,67 @@ def test_a_checkpoint_scores_its_own_weights(tiny_model_path, tmp_path):
 
 @pytest.mark.run
 def test_a_finished_run_folder_is_scored_by_its_trained_model(tiny_model_path, tmp_path):
-    run_script("grpo.py", "--model", tiny_model_path, "--digits", "1", "--prompts-per-batch", "2", "--group-size", "4",
-               "--max-new-tokens", "6", "--eval-size", "8", "--eval-every", "0", "--total-updates", "2",
-               "--learning-rate", "1e-2", "--run-name", "r", cwd=tmp_path)
+    run_script(
+        "grpo.py",
+        "--model",
+        tiny_model_path,
+        "--digits",
+        "1",
+        "--prompts-per-batch",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--eval-size",
+        "8",
+        "--eval-every",
+        "0",
+        "--total-updates",
+        "2",
+        "--learning-rate",
+        "1e-2",
+        "--run-name",
+        "r",
+        cwd=tmp_path,
+    )
     texts = {}
     for name, model_arg in (("run", str(tmp_path / "runs" / "r")), ("model", str(tmp_path / "runs" / "r" / "model"))):
         out = tmp_path / name / "res.csv"
-        proc = run_script(SCRIPT, "--model", model_arg, "--benchmarks", "gsm8k", *DATA, "--max-new-tokens", "8",
-                          "--engine-dtype", "float32", "--output", str(out), cwd=tmp_path)
+        proc = run_script(
+            SCRIPT,
+            "--model",
+            model_arg,
+            "--benchmarks",
+            "gsm8k",
+            *DATA,
+            "--max-new-tokens",
+            "8",
+            "--engine-dtype",
+            "float32",
+            "--output",
+            str(out),
+            cwd=tmp_path,
+        )
         assert "checkpoint" not in proc.stdout
         assert f"[eval] model {tmp_path / 'runs' / 'r' / 'model'}\n" in proc.stdout
         texts[name] = [json.loads(line)["response"] for line in open(out.with_suffix(".samples.jsonl"))]
     assert texts["run"] == texts["model"]
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--n", "4"], "--temperature 0 is greedy"),
-    (["--data-paths", "mmlu=x.json"], "expected NAME=PATH with NAME one of gsm8k, math500"),
-    (["--benchmarks", "gsm9k"], "--benchmarks gsm9k: unknown"),
-    (["--benchmarks", "math500", "--data-paths", f"math500={FIX / 'math500.json'}", "--prompt-template", "grpo"],
-     "grpo checks a plain number"),
-    (["--model", "/nowhere/checkpoint.pt"], "no checkpoint file"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--n", "4"], "--temperature 0 is greedy"),
+        (["--data-paths", "mmlu=x.json"], "expected NAME=PATH with NAME one of gsm8k, math500"),
+        (["--benchmarks", "gsm9k"], "--benchmarks gsm9k: unknown"),
+        (
+            ["--benchmarks", "math500", "--data-paths", f"math500={FIX / 'math500.json'}", "--prompt-template", "grpo"],
+            "grpo checks a plain number",
+        ),
+        (["--model", "/nowhere/checkpoint.pt"], "no checkpoint file"),
+    ],
+)
 @pytest.mark.run
 def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
     args = ["--model", tiny_model_path, "--benchmarks", "gsm8k", *DATA] + flags

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, ROOT, assert_same_run, comparable, metrics_of, run_script
 from common.models import load_model
+from conftest import FAST, ROOT, assert_same_run, comparable, metrics_of, run_script
 
 pytestmark = pytest.mark.run
 
@@ -22,9 +22,25 @@ EXTRA = {"dapo.py": ["--max-sampling-rounds", "50"], "vineppo.py": ["--mc-sample
 def test_nonfinite_steps_change_nothing_and_end_the_run(tiny_model_path, tmp_path, script):
     """Updates 1-3 get a NaN gradient: each step is skipped and counted, and the third in a row ends the run with a
     checkpoint whose weights, optimizer state and engine weights are the initial ones."""
-    proc = run_script(script, "--model", tiny_model_path, *FAST, *EXTRA.get(script, []), "--total-updates", "6",
-                      "--eval-every", "0", "--debug-nonfinite-at", "1", "2", "3", "--run-name", "nan", cwd=tmp_path,
-                      check=False)
+    proc = run_script(
+        script,
+        "--model",
+        tiny_model_path,
+        *FAST,
+        *EXTRA.get(script, []),
+        "--total-updates",
+        "6",
+        "--eval-every",
+        "0",
+        "--debug-nonfinite-at",
+        "1",
+        "2",
+        "3",
+        "--run-name",
+        "nan",
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "update 1: non-finite grad_norm nan: optimizer step skipped" in proc.stdout
     assert "updates 1-3: 3 in a row had a non-finite loss or gradient norm" in proc.stderr
@@ -42,8 +58,21 @@ def test_nonfinite_steps_change_nothing_and_end_the_run(tiny_model_path, tmp_pat
 
 
 def test_isolated_nonfinite_step_is_skipped_and_the_run_goes_on(tiny_model_path, tmp_path):
-    proc = run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "3", "--eval-every", "0",
-                      "--debug-nonfinite-at", "2", "--run-name", "one", cwd=tmp_path)
+    proc = run_script(
+        "grpo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--total-updates",
+        "3",
+        "--eval-every",
+        "0",
+        "--debug-nonfinite-at",
+        "2",
+        "--run-name",
+        "one",
+        cwd=tmp_path,
+    )
     assert "update 2: non-finite grad_norm nan: optimizer step skipped" in proc.stdout
     rows = [r for r in metrics_of(tmp_path, "one") if "losses/grad_norm" in r]
     assert [r["losses/nonfinite_skips"] for r in rows] == [0, 1, 1]
@@ -56,8 +85,18 @@ def test_sigkill_after_a_safety_checkpoint_resumes_into_the_uninterrupted_run(ti
     the killed run wrote, redoes it, and the finished run equals the uninterrupted one."""
     common = ["--model", tiny_model_path, *FAST, "--staleness", "2", "--updates-per-batch", "2", "--total-updates", "6"]
     run_script("grpo.py", *common, "--run-name", "full", cwd=tmp_path)
-    killed = run_script("grpo.py", *common, "--checkpoint-minutes", "1e-9", "--debug-kill-at", "4", "--run-name",
-                        "killed", cwd=tmp_path, check=False)
+    killed = run_script(
+        "grpo.py",
+        *common,
+        "--checkpoint-minutes",
+        "1e-9",
+        "--debug-kill-at",
+        "4",
+        "--run-name",
+        "killed",
+        cwd=tmp_path,
+        check=False,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert torch.load(tmp_path / "runs" / "killed" / "checkpoint.pt", weights_only=False)["update"] == 3
     assert max(r["global_step"] for r in metrics_of(tmp_path, "killed")) == 4  # a row after the checkpoint's update
@@ -81,8 +120,17 @@ def test_a_finished_run_leaves_its_model_and_no_training_state_unless_asked(tiny
     assert last.endswith(f"model {os.path.join('runs', 'safe', 'model')}")
     trained = load_model(str(folder / "model")).state_dict()
     assert any(not torch.equal(w, load_model(tiny_model_path).state_dict()[k]) for k, w in trained.items())
-    again = run_script("grpo.py", "--model", str(folder / "model"), *FAST, "--total-updates", "1", "--run-name",
-                       "from_it", cwd=tmp_path)  # --model takes the folder
+    again = run_script(
+        "grpo.py",
+        "--model",
+        str(folder / "model"),
+        *FAST,
+        "--total-updates",
+        "1",
+        "--run-name",
+        "from_it",
+        cwd=tmp_path,
+    )  # --model takes the folder
     assert "done: 1 updates" in again.stdout
     proc = run_script("grpo.py", *flags, "--keep-final-state", "--run-name", "kept", cwd=tmp_path)
     assert torch.load(tmp_path / "runs" / "kept" / "checkpoint.pt", weights_only=False)["update"] == 3
@@ -94,9 +142,26 @@ def test_a_finished_run_leaves_its_model_and_no_training_state_unless_asked(tiny
 
 def test_sigterm_stops_after_the_update_and_writes_a_checkpoint(tiny_model_path, tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "algorithms" / "grpo.py"), "--model", tiny_model_path, *FAST,
-                             "--total-updates", "400", "--eval-every", "0", "--run-name", "term"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "algorithms" / "grpo.py"),
+            "--model",
+            tiny_model_path,
+            *FAST,
+            "--total-updates",
+            "400",
+            "--eval-every",
+            "0",
+            "--run-name",
+            "term",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:
         if "] 2/400" in line:
             break
@@ -113,11 +178,24 @@ def test_sigterm_stops_after_the_update_and_writes_a_checkpoint(tiny_model_path,
 def test_failed_checkpoint_write_ends_the_run_and_keeps_the_previous_one(tiny_model_path, tmp_path):
     """A directory where the temporary file should go makes torch.save fail (as a full disk would; root ignores
     read-only permissions, so the test blocks the path instead)."""
-    run_script("grpo.py", "--model", tiny_model_path, *FAST, "--total-updates", "2", "--eval-every", "0",
-               "--keep-final-state", "--run-name", "w", cwd=tmp_path)
+    run_script(
+        "grpo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--total-updates",
+        "2",
+        "--eval-every",
+        "0",
+        "--keep-final-state",
+        "--run-name",
+        "w",
+        cwd=tmp_path,
+    )
     (tmp_path / "runs" / "w" / "checkpoint.pt.tmp").mkdir()
-    proc = run_script("grpo.py", "--resume", str(tmp_path / "runs" / "w"), "--total-updates", "3", cwd=tmp_path,
-                      check=False)
+    proc = run_script(
+        "grpo.py", "--resume", str(tmp_path / "runs" / "w"), "--total-updates", "3", cwd=tmp_path, check=False
+    )
     assert proc.returncode == 1
     assert "could not write the checkpoint" in proc.stderr and "the previous checkpoint" in proc.stderr
     assert "is intact" in proc.stderr and "Traceback" not in proc.stderr

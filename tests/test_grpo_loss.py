@@ -149,8 +149,10 @@ def test_micro_batch_aggregates_sum_to_the_minibatch_value(mode, aggregate):
     lengths = torch.tensor([5, 1, 3, 4, 2, 5, 1])
     mask = torch.arange(5)[None] < lengths[:, None]
     whole = aggregate(loss, mask, mode, max_len=6)
-    parts = sum(aggregate(loss[i:i + 3], mask[i:i + 3], mode, 6, num_seqs=7, num_tokens=int(mask.sum()))
-                for i in range(0, 7, 3))
+    parts = sum(
+        aggregate(loss[i : i + 3], mask[i : i + 3], mode, 6, num_seqs=7, num_tokens=int(mask.sum()))
+        for i in range(0, 7, 3)
+    )
     assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
 
 
@@ -170,15 +172,18 @@ def test_run_plan_and_the_default_length_reach_the_lag():
         lags = [(k * U + j) - batch_version(k, U, s) for k in range(-(-T // U)) for j in range(U)][:T]  # update v-1
         initial = [k * U + j + 1 for k in range(-(-T // U)) for j in range(U) if batch_version(k, U, s) == 0][:T]
         assert sum(1 for v, lag in enumerate(lags) if v + 1 > len(initial)) >= 40
-        assert all(lag in range(s, s + U) for lag in lags[len(initial):])
+        assert all(lag in range(s, s + U) for lag in lags[len(initial) :])
         warm = len([v for v in initial if v <= T])
-        assert run_plan(T, U, s) == (f"plan: updates 1-{warm} train on the initial policy's rollouts (FIFO warm-up); "
-                                     f"updates {warm + 1}-{T} on rollouts {s if U == 1 else f'{s}-{s + U - 1}'} "
-                                     f"updates old; {-(-T // U)} rollout batches, {U} update(s) each")
+        assert run_plan(T, U, s) == (
+            f"plan: updates 1-{warm} train on the initial policy's rollouts (FIFO warm-up); "
+            f"updates {warm + 1}-{T} on rollouts {s if U == 1 else f'{s}-{s + U - 1}'} "
+            f"updates old; {-(-T // U)} rollout batches, {U} update(s) each"
+        )
     assert default_updates(256, 4, 40) == 300 and default_updates(0, 4, 40) == 40
     assert run_plan(40, 1, 0) == "plan: updates 1-40 on rollouts 0 updates old; 40 rollout batches, 1 update(s) each"
-    assert run_plan(6, 2, 8) == ("plan: updates 1-6 train on the initial policy's rollouts (FIFO warm-up); "
-                                 "3 rollout batches, 2 update(s) each")  # too short to reach the lag
+    assert run_plan(6, 2, 8) == (
+        "plan: updates 1-6 train on the initial policy's rollouts (FIFO warm-up); 3 rollout batches, 2 update(s) each"
+    )  # too short to reach the lag
     assert [default_eval_every(t) for t in (40, 80, 81, 300, 800)] == [10, 10, 20, 40, 100]
 
 

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from m2po import (active_tokens, importance_weighted_pg, m2_cutoff, m2po_official, m2po_paper_mask,
-                  second_moment)
+from m2po import active_tokens, importance_weighted_pg, m2_cutoff, m2po_official, m2po_paper_mask, second_moment
 
 
 def reference_cutoff(v, tau):
@@ -73,8 +72,12 @@ def reference_official_loss(logp, behav, adv, mask, tau):
     """Token by token: find the active set and cutoff, then -A * ratio with the clip bounds applied."""
     B, T = logp.shape
     lr = (logp - behav).tolist()
-    active = [(b, t) for b in range(B) for t in range(T) if mask[b, t]
-              and ((adv[b] > 0 and lr[b][t] > 0) or (adv[b] < 0 and lr[b][t] < 0))]
+    active = [
+        (b, t)
+        for b in range(B)
+        for t in range(T)
+        if mask[b, t] and ((adv[b] > 0 and lr[b][t] > 0) or (adv[b] < 0 and lr[b][t] < 0))
+    ]
     c = reference_cutoff([lr[b][t] ** 2 for b, t in active], tau)
     out = torch.zeros(B, T, dtype=torch.float64)
     for b in range(B):

@@ -170,7 +170,7 @@ def test_admission_bounds_the_start_version_in_a_random_timeline(eta, U):
         elif version % U or len(started_at) >= (version // U + 1) * B:  # a new batch needs all its samples
             if version % U == 0:
                 k = version // U
-                lags += [k * U - v for v in started_at[k * B:(k + 1) * B]]
+                lags += [k * U - v for v in started_at[k * B : (k + 1) * B]]
             version += 1
     assert max(lags) <= eta * U
     assert (max(lags) > 0) == (eta > 0)

@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "reproduce"))
 
-import sweep  # noqa: E402
+import sweep
 
 FIGURES = ["side_by_side", "m2po_staleness", "areal_eta", "dapo_ablation", "vineppo", "tba_async"]
 
@@ -41,9 +42,18 @@ def test_collect_bins_training_rows_and_keeps_eval_rows(tmp_path):
 
 
 def test_csv_round_trip_curves_and_final_values(tmp_path):
-    rows = [{"algo": a, "seed": seed, "global_step": step, "time/elapsed": 10.0 * step + seed,
-             "eval/accuracy": base + 0.01 * step + 0.1 * seed}
-            for a, base in (("x", 0.0), ("y", 0.2)) for seed in (1, 2, 3) for step in (0, 10, 20)]
+    rows = [
+        {
+            "algo": a,
+            "seed": seed,
+            "global_step": step,
+            "time/elapsed": 10.0 * step + seed,
+            "eval/accuracy": base + 0.01 * step + 0.1 * seed,
+        }
+        for a, base in (("x", 0.0), ("y", 0.2))
+        for seed in (1, 2, 3)
+        for step in (0, 10, 20)
+    ]
     rows.append({"algo": "x", "seed": 1, "global_step": 30, "eval/accuracy": 0.9})  # only one seed got there
     rows.append({"algo": "x", "seed": 1, "global_step": 5, "losses/clipfrac": 0.1})
     sweep.write_csv(rows, tmp_path / "r.csv")
@@ -69,9 +79,11 @@ def test_toy_flags_and_job_names():
     args = sweep.SweepArgs(updates=7, eval_every=3, eval_size=9, learning_rate=2e-5)
     job = sweep.toy_job({2: "M"}, args, "m2po", 256, 2, {"config": "c"}, ("--no-trust-region",), "notr")
     assert job.name == "m2po_notr_s256_seed2" and job.labels == {"config": "c", "seed": 2}
-    assert job.flags() == ("--model M --seed 2 --total-updates 7 --learning-rate 2e-05 --eval-every 3 --eval-size 9 "
-                           "--staleness 256 --group-size 8 --prompts-per-batch 16 --updates-per-batch 4 "
-                           "--no-trust-region")
+    assert job.flags() == (
+        "--model M --seed 2 --total-updates 7 --learning-rate 2e-05 --eval-every 3 --eval-size 9 "
+        "--staleness 256 --group-size 8 --prompts-per-batch 16 --updates-per-batch 4 "
+        "--no-trust-region"
+    )
     tba = sweep.toy_job({1: "M"}, args, "tba", 2, 1, {})
     assert tba.name == "tba_s2_seed1" and tba.flags().endswith("--group-size 8 --prompts-per-batch 4")
     assert job.command()[1].endswith("algorithms/m2po.py") and job.command()[-2:] == ["--run-name", job.name]
@@ -104,8 +116,12 @@ def test_run_jobs_stops_on_a_failing_run_with_its_log(tmp_path):
 @pytest.mark.parametrize("name", FIGURES)
 def test_plot_script_draws_the_committed_csv(name, tmp_path):
     png = tmp_path / f"{name}.png"
-    proc = subprocess.run([sys.executable, str(ROOT / "reproduce" / name / "plot.py"), "--png", str(png)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "reproduce" / name / "plot.py"), "--png", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "|---|" in proc.stdout  # the table the README carries
@@ -114,12 +130,35 @@ def test_plot_script_draws_the_committed_csv(name, tmp_path):
 @pytest.mark.run
 def test_tiny_side_by_side_run_writes_a_csv_the_plot_reads(toy_path, tmp_path):
     csv_path, work = tmp_path / "sbs.csv", tmp_path / "work"
-    cmd = [sys.executable, str(ROOT / "reproduce" / "side_by_side" / "run.py"), "--model", str(toy_path), "--algos",
-           "grpo", "tba", "--staleness", "0", "4", "--seeds", "1", "--updates", "4", "--eval-every", "2",
-           "--eval-size", "8", "--work-dir", str(work), "--out", str(csv_path)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "reproduce" / "side_by_side" / "run.py"),
+        "--model",
+        str(toy_path),
+        "--algos",
+        "grpo",
+        "tba",
+        "--staleness",
+        "0",
+        "4",
+        "--seeds",
+        "1",
+        "--updates",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "8",
+        "--work-dir",
+        str(work),
+        "--out",
+        str(csv_path),
+    ]
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # a 1-digit policy: 0% on 2 digits
-    assert refused.returncode != 0 and "outside the bands the figures assume (greedy [0.28, 0.38], sampled [0.22, " \
-        "0.32])" in refused.stderr, refused.stderr[-2000:]
+    assert (
+        refused.returncode != 0
+        and "outside the bands the figures assume (greedy [0.28, 0.38], sampled [0.22, 0.32])" in refused.stderr
+    ), refused.stderr[-2000:]
     assert "--any-start" in refused.stderr and not work.exists()  # refused before any run
     cmd.append("--any-start")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -137,15 +176,30 @@ def test_tiny_side_by_side_run_writes_a_csv_the_plot_reads(toy_path, tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # finished runs are reused
     assert again.returncode == 0 and "4 runs in" in again.stdout and "(4 already done)" in again.stdout
     png = tmp_path / "sbs.png"
-    plot = subprocess.run([sys.executable, str(ROOT / "reproduce" / "side_by_side" / "plot.py"), "--csv",
-                           str(csv_path), "--png", str(png)], capture_output=True, text=True, timeout=120)
+    plot = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "reproduce" / "side_by_side" / "plot.py"),
+            "--csv",
+            str(csv_path),
+            "--png",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plot.returncode == 0, plot.stderr[-3000:]
     assert png.exists() and "| grpo |" in plot.stdout and "| tba |" in plot.stdout
 
 
 def test_only_selects_the_runs_with_every_label():
-    jobs = [sweep.Job(f"{a}_s{s}_seed{seed}", a, [], {"algo": a, "staleness": s, "seed": seed})
-            for a in ("grpo", "m2po") for s in (0, 256) for seed in (1, 2)]
+    jobs = [
+        sweep.Job(f"{a}_s{s}_seed{seed}", a, [], {"algo": a, "staleness": s, "seed": seed})
+        for a in ("grpo", "m2po")
+        for s in (0, 256)
+        for seed in (1, 2)
+    ]
     assert sweep.select(jobs, []) == jobs
     assert [j.name for j in sweep.select(jobs, ["m2po", "256"])] == ["m2po_s256_seed1", "m2po_s256_seed2"]
     assert len(sweep.select(jobs, ["0"])) == 4  # label values, not seeds
@@ -166,14 +220,21 @@ def test_start_policies_check_the_bands(monkeypatch, capsys):
     monkeypatch.setattr(sweep, "starting_accuracy", lambda model, n: measured.append((model, n)) or scores)
     args = sweep.SweepArgs(model="M", eval_size=500)
     (g_low, g_high), (s_low, s_high) = sweep.START_BANDS["greedy"], sweep.START_BANDS["sampled"]
-    for scores in ({"greedy": g_low, "sampled": s_low}, {"greedy": g_high, "sampled": s_high}):  # inclusive
+    # inclusive (B007 misreads this loop: the patched starting_accuracy above returns the loop's current scores)
+    for scores in ({"greedy": g_low, "sampled": s_low}, {"greedy": g_high, "sampled": s_high}):  # noqa: B007
         assert sweep.start_policies(args) == {1: "M", 2: "M", 3: "M"}  # --model: one policy, measured once
     assert measured == [("M", 500)] * 2 and "inside the figures' bands" in capsys.readouterr().out
-    for scores in ({"greedy": 0.095, "sampled": 0.25}, {"greedy": 0.33, "sampled": 0.17}, {"greedy": 0.5, "sampled": 0.4}):
+    for scores in (
+        {"greedy": 0.095, "sampled": 0.25},
+        {"greedy": 0.33, "sampled": 0.17},
+        {"greedy": 0.5, "sampled": 0.4},
+    ):
         with pytest.raises(SystemExit, match="the starting policies M are outside the bands"):
             sweep.start_policies(args)
-        assert f"greedy accuracy {scores['greedy']:.3f} and sampled accuracy {scores['sampled']:.3f}" in \
-            capsys.readouterr().out
+        assert (
+            f"greedy accuracy {scores['greedy']:.3f} and sampled accuracy {scores['sampled']:.3f}"
+            in capsys.readouterr().out
+        )
         assert sweep.start_policies(sweep.SweepArgs(model="M", any_start=True)) == {1: "M", 2: "M", 3: "M"}
         assert "WARNING" in capsys.readouterr().out
 
@@ -182,8 +243,11 @@ def test_each_seed_starts_from_its_own_toy_policy(monkeypatch, capsys):
     """Without --model, training seed k starts from the toy policy built with --seed k; each is checked, and the
     error names the ones outside the bands."""
     monkeypatch.setattr(sweep, "toy_policy", lambda seed: f"toy{seed}")
-    scores = {"toy1": {"greedy": 0.30, "sampled": 0.25}, "toy2": {"greedy": 0.36, "sampled": 0.23},
-              "toy3": {"greedy": 0.12, "sampled": 0.10}}
+    scores = {
+        "toy1": {"greedy": 0.30, "sampled": 0.25},
+        "toy2": {"greedy": 0.36, "sampled": 0.23},
+        "toy3": {"greedy": 0.12, "sampled": 0.10},
+    }
     monkeypatch.setattr(sweep, "starting_accuracy", lambda model, n: scores[model])
     assert sweep.start_policies(sweep.SweepArgs(seeds=[1, 2])) == {1: "toy1", 2: "toy2"}
     with pytest.raises(SystemExit, match="the starting policies toy3 are outside"):
@@ -193,7 +257,12 @@ def test_each_seed_starts_from_its_own_toy_policy(monkeypatch, capsys):
 
 
 def test_run_means_averages_each_seed_over_its_rows():
-    rows = [{"row": "a", "seed": 1, "x": 1.0}, {"row": "a", "seed": 1, "x": 3.0}, {"row": "a", "seed": 2, "x": 5.0},
-            {"row": "a", "seed": 2}, {"row": "b", "seed": 1, "x": 100.0}]
+    rows = [
+        {"row": "a", "seed": 1, "x": 1.0},
+        {"row": "a", "seed": 1, "x": 3.0},
+        {"row": "a", "seed": 2, "x": 5.0},
+        {"row": "a", "seed": 2},
+        {"row": "b", "seed": 1, "x": 100.0},
+    ]
     assert sorted(sweep.run_means(rows, "row", "a", "x")) == [2.0, 5.0]
     assert sweep.run_means(rows, "row", "c", "x") == []

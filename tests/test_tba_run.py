@@ -10,14 +10,44 @@ from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
 
 pytestmark = pytest.mark.run
 
-TBA_KEYS = ["losses/policy_loss", "losses/kl", "losses/entropy", "losses/grad_norm", "tba/logZ_mean", "tba/logZ_std",
-            "tba/residual_abs_mean", "tba/beta", "tba/buffer_size", "tba/buffer_prompts", "tba/recency_frac",
-            "tba/recency_age_max", "tba/samples", "tba/duplicates", "tba/evicted", "tba/rounds",
-            "charts/reward_mean", "charts/accuracy", "charts/response_length_mean", "charts/truncated_frac",
-            "charts/learning_rate", "charts/tokens_per_sec", "charts/gen_tokens_per_sec", "charts/train_tokens_per_sec",
-            "async/staleness_mean", "async/staleness_max", "async/staleness_p90", "async/policy_version",
-            "async/queue_size", "async/dropped_samples", "time/rollout", "time/train_step", "time/ref_logprobs",
-            "time/weight_sync", "time/trainer_wait", "time/producer_wait"]
+TBA_KEYS = [
+    "losses/policy_loss",
+    "losses/kl",
+    "losses/entropy",
+    "losses/grad_norm",
+    "tba/logZ_mean",
+    "tba/logZ_std",
+    "tba/residual_abs_mean",
+    "tba/beta",
+    "tba/buffer_size",
+    "tba/buffer_prompts",
+    "tba/recency_frac",
+    "tba/recency_age_max",
+    "tba/samples",
+    "tba/duplicates",
+    "tba/evicted",
+    "tba/rounds",
+    "charts/reward_mean",
+    "charts/accuracy",
+    "charts/response_length_mean",
+    "charts/truncated_frac",
+    "charts/learning_rate",
+    "charts/tokens_per_sec",
+    "charts/gen_tokens_per_sec",
+    "charts/train_tokens_per_sec",
+    "async/staleness_mean",
+    "async/staleness_max",
+    "async/staleness_p90",
+    "async/policy_version",
+    "async/queue_size",
+    "async/dropped_samples",
+    "time/rollout",
+    "time/train_step",
+    "time/ref_logprobs",
+    "time/weight_sync",
+    "time/trainer_wait",
+    "time/producer_wait",
+]
 HOT = ["--learning-rate", "1e-3", "--beta-start", "1.0", "--beta-end", "0.5"]  # the tiny model moves visibly
 
 
@@ -26,8 +56,9 @@ def train_rows(tmp_path, name):
 
 
 def test_smoke_run_logs_every_metric(tiny_model_path, tmp_path):
-    proc = run_script("tba.py", "--model", tiny_model_path, *FAST, "--total-updates", "4", "--run-name", "smoke",
-                      cwd=tmp_path)
+    proc = run_script(
+        "tba.py", "--model", tiny_model_path, *FAST, "--total-updates", "4", "--run-name", "smoke", cwd=tmp_path
+    )
     assert "4/4" in proc.stdout and "done: 4 updates" in proc.stdout
     rows = metrics_of(tmp_path, "smoke")
     assert rows[0]["global_step"] == 0 and "eval/accuracy" in rows[0]
@@ -58,8 +89,24 @@ def test_staleness_zero_is_synchronous_on_policy_and_deterministic(tiny_model_pa
 
 @pytest.mark.parametrize("s", [1, 3])
 def test_recency_draws_are_at_most_staleness_updates_old(tiny_model_path, tmp_path, s):
-    run_script("tba.py", "--model", tiny_model_path, *FAST, "--total-updates", "8", "--staleness", str(s),
-               "--eval-every", "0", "--rounds-ahead", "-1", "--keep-final-state", "--run-name", f"s{s}", cwd=tmp_path)
+    run_script(
+        "tba.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--total-updates",
+        "8",
+        "--staleness",
+        str(s),
+        "--eval-every",
+        "0",
+        "--rounds-ahead",
+        "-1",
+        "--keep-final-state",
+        "--run-name",
+        f"s{s}",
+        cwd=tmp_path,
+    )
     rows = train_rows(tmp_path, f"s{s}")
     assert all(r["tba/recency_age_max"] <= s for r in rows)
     assert any(r["async/staleness_max"] > 0 for r in rows)  # the searcher really lags (free-running, sync every s)
@@ -70,8 +117,21 @@ def test_recency_draws_are_at_most_staleness_updates_old(tiny_model_path, tmp_pa
 
 
 def test_rounds_ahead_bounds_the_searcher(tiny_model_path, tmp_path):
-    run_script("tba.py", "--model", tiny_model_path, *FAST, "--total-updates", "6", "--rounds-ahead", "1",
-               "--eval-every", "0", "--run-name", "r1", cwd=tmp_path)
+    run_script(
+        "tba.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--total-updates",
+        "6",
+        "--rounds-ahead",
+        "1",
+        "--eval-every",
+        "0",
+        "--run-name",
+        "r1",
+        cwd=tmp_path,
+    )
     assert all(r["async/queue_size"] <= 2 for r in train_rows(tmp_path, "r1"))  # rounds done - updates <= 1 + 1
 
 
@@ -103,22 +163,40 @@ def test_resume_free_running_continues_with_the_buffer(tiny_model_path, tmp_path
 
 def test_searcher_error_ends_the_run(tiny_model_path, tmp_path):
     t0 = time.time()
-    proc = run_script("tba.py", "--model", tiny_model_path, *FAST, "--total-updates", "20", "--staleness", "0",
-                      "--debug-fail-at-batch", "3", "--run-name", "fail", cwd=tmp_path, check=False, timeout=120)
+    proc = run_script(
+        "tba.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--total-updates",
+        "20",
+        "--staleness",
+        "0",
+        "--debug-fail-at-batch",
+        "3",
+        "--run-name",
+        "fail",
+        cwd=tmp_path,
+        check=False,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "injected searcher failure at round 3" in proc.stderr and "searcher failed" in proc.stderr
     assert time.time() - t0 < 120
     assert max(r["global_step"] for r in train_rows(tmp_path, "fail")) <= 3
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--recency-prob", "1.5"], "--recency-prob is a probability"),
-    (["--group-size", "1"], "--group-size must be >= 2"),
-    (["--group-size", "8", "--micro-batch-size", "4"], "--micro-batch-size 4 must be >= --group-size 8"),
-    (["--staleness", "-1"], "--staleness must be >= 0"),
-    (["--beta-end", "0"], "--beta-start and --beta-end must be > 0"),
-    (["--buffer-capacity", "2"], "--buffer-capacity 2 must be >= --group-size 4"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--recency-prob", "1.5"], "--recency-prob is a probability"),
+        (["--group-size", "1"], "--group-size must be >= 2"),
+        (["--group-size", "8", "--micro-batch-size", "4"], "--micro-batch-size 4 must be >= --group-size 8"),
+        (["--staleness", "-1"], "--staleness must be >= 0"),
+        (["--beta-end", "0"], "--beta-start and --beta-end must be > 0"),
+        (["--buffer-capacity", "2"], "--buffer-capacity 2 must be >= --group-size 4"),
+    ],
+)
 def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
     proc = run_script("tba.py", "--model", tiny_model_path, *FAST, *flags, cwd=tmp_path, check=False, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]

@@ -4,11 +4,13 @@ import importlib.util
 import json
 
 import pytest
-from conftest import ROOT, TOY_SCRIPT as SCRIPT, TOY_TINY as TINY, run_script
 
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
 from common.tracking import read_metrics
+from conftest import ROOT, run_script
+from conftest import TOY_SCRIPT as SCRIPT
+from conftest import TOY_TINY as TINY
 
 
 def load_toy():
@@ -62,14 +64,30 @@ def test_tiny_build_loads_and_records_its_warm_start(toy_path):
     manifest = json.loads((toy_path / "toy_policy.json").read_text())
     assert manifest["steps"] == 3 and manifest["digits"] == 1 and manifest["eval_size"] == 8
     assert manifest["band"] == manifest["sampled_band"] == [0.0, 1.0]
-    assert manifest["checks"] == [{"step": 3, "greedy": manifest["eval_accuracy"], "sampled": manifest["sampled_accuracy"]}]
+    assert manifest["checks"] == [
+        {"step": 3, "greedy": manifest["eval_accuracy"], "sampled": manifest["sampled_accuracy"]}
+    ]
     assert 0.0 <= manifest["eval_accuracy"] <= 1.0 and manifest["warm_start_seconds"] >= 0
 
 
 @pytest.mark.run
 def test_tiny_chain_build_records_what_rl_will_meet(tmp_path):
-    run_script(SCRIPT, "--task", "chain", "--out", str(tmp_path / "chain"), *TINY, "--eval-max-new-tokens", "24",
-               "--stats-prompts", "4", "--stats-samples", "2", cwd=tmp_path, timeout=300)
+    run_script(
+        SCRIPT,
+        "--task",
+        "chain",
+        "--out",
+        str(tmp_path / "chain"),
+        *TINY,
+        "--eval-max-new-tokens",
+        "24",
+        "--stats-prompts",
+        "4",
+        "--stats-samples",
+        "2",
+        cwd=tmp_path,
+        timeout=300,
+    )
     manifest = json.loads((tmp_path / "chain" / "toy_policy.json").read_text())
     assert manifest["task"] == "chain" and manifest["digits"] == 1 and manifest["steps"] == 3
     rollouts = manifest["rollouts"]
@@ -83,9 +101,28 @@ def test_tiny_chain_build_records_what_rl_will_meet(tmp_path):
 
 @pytest.mark.run
 def test_grpo_runs_on_the_toy_policy(toy_path, tmp_path):
-    run_script("grpo.py", "--model", str(toy_path), "--digits", "1", "--prompts-per-batch", "2", "--group-size", "4",
-               "--max-new-tokens", "6", "--eval-size", "8", "--total-updates", "2", "--eval-every", "2",
-               "--run-name", "toy", cwd=tmp_path)
+    run_script(
+        "grpo.py",
+        "--model",
+        str(toy_path),
+        "--digits",
+        "1",
+        "--prompts-per-batch",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--eval-size",
+        "8",
+        "--total-updates",
+        "2",
+        "--eval-every",
+        "2",
+        "--run-name",
+        "toy",
+        cwd=tmp_path,
+    )
     rows = read_metrics(tmp_path / "runs" / "toy" / "metrics.jsonl")
     assert [r["global_step"] for r in rows if "losses/policy_loss" in r] == [1, 2]
     assert "eval/accuracy" in rows[-1]
@@ -160,8 +197,11 @@ def test_train_into_band_replays_step_by_step_after_a_check_jumps_over_the_band(
 def test_train_into_band_fails_clearly_when_it_never_lands():
     toy = load_toy()
     never = Counter(lambda n: {"greedy": 0.1})
-    with pytest.raises(SystemExit, match=r"never landed in its bands \(greedy in \[0.28, 0.38\]\) within --max-steps 25"
-                                         r".*step 25: greedy 0.100"):
+    with pytest.raises(
+        SystemExit,
+        match=r"never landed in its bands \(greedy in \[0.28, 0.38\]\) within --max-steps 25"
+        r".*step 25: greedy 0.100",
+    ):
         toy.train_into_band(never.model, never.optimizer, never.train_step, never.accuracy, BAND, 25, 10)
     assert never.taken() == 25  # the cap is checked too, though not a multiple of --check-every
     jumps = Counter(lambda n: {"greedy": 0.1 if n < 25 else 0.9})  # over the band within one step: no replay lands
@@ -169,12 +209,15 @@ def test_train_into_band_fails_clearly_when_it_never_lands():
         toy.train_into_band(jumps.model, jumps.optimizer, jumps.train_step, jumps.accuracy, BAND, 60, 10)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--digits", "0"], "--digits must be >= 1"),
-    (["--band", "0.4", "0.3"], "--band 0.4 0.3: give LOW HIGH"),
-    (["--sampled-band", "0.2", "1.5"], "--sampled-band 0.2 1.5: give LOW HIGH"),
-    (["--hidden-size", "64", "--num-heads", "3"], "divisible"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--digits", "0"], "--digits must be >= 1"),
+        (["--band", "0.4", "0.3"], "--band 0.4 0.3: give LOW HIGH"),
+        (["--sampled-band", "0.2", "1.5"], "--sampled-band 0.2 1.5: give LOW HIGH"),
+        (["--hidden-size", "64", "--num-heads", "3"], "divisible"),
+    ],
+)
 @pytest.mark.run
 def test_bad_input_is_a_clear_error(tmp_path, flags, message):
     proc = run_script(SCRIPT, "--out", str(tmp_path / "toy"), *flags, cwd=tmp_path, check=False, timeout=120)
@@ -186,7 +229,8 @@ def test_bad_input_is_a_clear_error(tmp_path, flags, message):
 def test_refuses_to_replace_a_folder_that_is_not_a_toy_policy(tmp_path):
     (tmp_path / "toy").mkdir()
     (tmp_path / "toy" / "keep.txt").write_text("mine")
-    proc = run_script(SCRIPT, "--out", str(tmp_path / "toy"), "--digits", "1", *TINY, cwd=tmp_path, check=False,
-                      timeout=120)
+    proc = run_script(
+        SCRIPT, "--out", str(tmp_path / "toy"), "--digits", "1", *TINY, cwd=tmp_path, check=False, timeout=120
+    )
     assert proc.returncode != 0 and "is not a toy policy" in proc.stderr
     assert (tmp_path / "toy" / "keep.txt").read_text() == "mine"

@@ -8,9 +8,22 @@ import numpy as np
 import pytest
 import torch
 
-from vineppo import (UNFINISHED_REWARD, aggregate, clipped_surrogate, gae, k3_kl, kl_penalty, mc_state_starts,
-                     mc_values, ratio_guard_trips, spread_to_tokens, step_advantages, step_starts, trajectory_reward,
-                     whiten)
+from vineppo import (
+    UNFINISHED_REWARD,
+    aggregate,
+    clipped_surrogate,
+    gae,
+    k3_kl,
+    kl_penalty,
+    mc_state_starts,
+    mc_values,
+    ratio_guard_trips,
+    spread_to_tokens,
+    step_advantages,
+    step_starts,
+    trajectory_reward,
+    whiten,
+)
 
 
 # ---------------------------------------------------------------- step splitting (token space)
@@ -61,7 +74,7 @@ def fake_generate(prefixes, n, max_new_tokens):
     """(completion, truncated) pairs, as the engine returns them: cut at max_new_tokens, truncated if cut."""
     out = []
     for p in prefixes:
-        comps = TREE[tuple(p[len(PROMPT):])]
+        comps = TREE[tuple(p[len(PROMPT) :])]
         assert len(comps) == n
         out += [(c[:max_new_tokens], len(c) > max_new_tokens) for c in comps]
     return out
@@ -218,7 +231,7 @@ def test_gae_general_matches_a_loop():
     g, lam = 0.9, 0.8
     v = values[0].tolist() + [0.0]
     deltas = [rewards[0, t].item() + g * v[t + 1] - v[t] for t in range(4)]
-    expected = [sum((g * lam) ** (l - t) * deltas[l] for l in range(t, 4)) for t in range(4)]
+    expected = [sum((g * lam) ** (j - t) * deltas[j] for j in range(t, 4)) for t in range(4)]
     assert gae(rewards, values, mask, g, lam)[0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
@@ -276,8 +289,9 @@ def test_kl_term_is_beta_times_the_mean_over_sequences_of_the_summed_kl():
     total = 0.0
     for sl in (slice(0, 2), slice(2, 6)):  # two micro-batches of the minibatch
         loss_tok, _, _ = clipped_surrogate(logp[sl], logp[sl].detach(), adv[sl], 0.2)
-        loss = aggregate(loss_tok, mask[sl], "token-mean", None, B, n_tokens) \
-            + beta * kl_penalty(k3_kl(logp[sl], ref[sl]), mask[sl], B)
+        loss = aggregate(loss_tok, mask[sl], "token-mean", None, B, n_tokens) + beta * kl_penalty(
+            k3_kl(logp[sl], ref[sl]), mask[sl], B
+        )
         loss.backward()
         total += loss.item()
     assert total == pytest.approx(expected, rel=1e-10)

@@ -4,21 +4,50 @@ exact staleness with MC values from the behaviour policy, on-policy invariants, 
 import pytest
 import torch
 
-from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
 from common.models import load_model
+from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
 
 pytestmark = pytest.mark.run
 
-SHARED_KEYS = ["charts/reward_mean", "charts/accuracy", "charts/response_length_mean", "charts/truncated_frac",
-               "charts/learning_rate", "charts/tokens_per_sec", "charts/gen_tokens_per_sec",
-               "charts/train_tokens_per_sec", "losses/policy_loss", "losses/kl", "losses/entropy", "losses/clipfrac",
-               "losses/approx_kl", "losses/ratio_mean", "losses/ratio_max", "losses/grad_norm",
-               "async/staleness_mean", "async/staleness_max", "async/policy_version", "async/queue_size",
-               "async/dropped_samples", "time/rollout", "time/train_step", "time/weight_sync", "time/trainer_wait",
-               "time/producer_wait"]
-VINE_KEYS = ["time/mc_rollout", "vineppo/mc_rollouts", "vineppo/mc_states", "vineppo/mc_time_frac",
-             "vineppo/value_mean", "vineppo/value_std", "vineppo/nonzero_adv_frac", "vineppo/steps_per_response",
-             "vineppo/skipped_batches"]
+SHARED_KEYS = [
+    "charts/reward_mean",
+    "charts/accuracy",
+    "charts/response_length_mean",
+    "charts/truncated_frac",
+    "charts/learning_rate",
+    "charts/tokens_per_sec",
+    "charts/gen_tokens_per_sec",
+    "charts/train_tokens_per_sec",
+    "losses/policy_loss",
+    "losses/kl",
+    "losses/entropy",
+    "losses/clipfrac",
+    "losses/approx_kl",
+    "losses/ratio_mean",
+    "losses/ratio_max",
+    "losses/grad_norm",
+    "async/staleness_mean",
+    "async/staleness_max",
+    "async/policy_version",
+    "async/queue_size",
+    "async/dropped_samples",
+    "time/rollout",
+    "time/train_step",
+    "time/weight_sync",
+    "time/trainer_wait",
+    "time/producer_wait",
+]
+VINE_KEYS = [
+    "time/mc_rollout",
+    "vineppo/mc_rollouts",
+    "vineppo/mc_states",
+    "vineppo/mc_time_frac",
+    "vineppo/value_mean",
+    "vineppo/value_std",
+    "vineppo/nonzero_adv_frac",
+    "vineppo/steps_per_response",
+    "vineppo/skipped_batches",
+]
 K = 3
 
 
@@ -27,8 +56,19 @@ def train_rows(tmp_path, name):
 
 
 def test_mc_smoke_logs_every_metric_and_counts_k_rollouts_per_state(tiny_model_path, tmp_path):
-    proc = run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--total-updates", "3",
-                      "--run-name", "mc", cwd=tmp_path)
+    proc = run_script(
+        "vineppo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--mc-samples",
+        str(K),
+        "--total-updates",
+        "3",
+        "--run-name",
+        "mc",
+        cwd=tmp_path,
+    )
     assert "done: 3 updates" in proc.stdout
     rows = metrics_of(tmp_path, "mc")
     assert rows[0]["global_step"] == 0 and "eval/accuracy" in rows[0]
@@ -42,25 +82,70 @@ def test_mc_smoke_logs_every_metric_and_counts_k_rollouts_per_state(tiny_model_p
         assert r["vineppo/steps_per_response"] >= 1 and 0 <= r["vineppo/nonzero_adv_frac"] <= 1
         assert 0 <= r["vineppo/value_mean"] <= 1 and r["vineppo/skipped_batches"] == 0
     # with the cap at 0 steps only the prompt states remain: one per prompt, K rollouts each
-    run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--max-steps", "0",
-               "--total-updates", "2", "--eval-every", "0", "--run-name", "cap0", cwd=tmp_path)
+    run_script(
+        "vineppo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--mc-samples",
+        str(K),
+        "--max-steps",
+        "0",
+        "--total-updates",
+        "2",
+        "--eval-every",
+        "0",
+        "--run-name",
+        "cap0",
+        cwd=tmp_path,
+    )
     assert all(r["vineppo/mc_states"] == 2 and r["vineppo/mc_rollouts"] == 2 * K for r in train_rows(tmp_path, "cap0"))
 
 
 def test_truncated_trajectories_and_mc_rollouts_score_zero(tiny_model_path, tmp_path):
     """With one new token a finished response or completion is EOS alone (empty text, reward 0) and any other is cut
     at the limit: unfinished, reward 0 as in the authors' code, even where the verifier would accept "7"."""
-    run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--max-new-tokens", "1",
-               "--prompts-per-batch", "8", "--total-updates", "2", "--eval-every", "0", "--run-name", "cut",
-               cwd=tmp_path)  # the verifier alone scores 0.125 and 0.04 here: some cut answers are right
+    run_script(
+        "vineppo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--mc-samples",
+        str(K),
+        "--max-new-tokens",
+        "1",
+        "--prompts-per-batch",
+        "8",
+        "--total-updates",
+        "2",
+        "--eval-every",
+        "0",
+        "--run-name",
+        "cut",
+        cwd=tmp_path,
+    )  # the verifier alone scores 0.125 and 0.04 here: some cut answers are right
     train = train_rows(tmp_path, "cut")
     assert all(r["charts/reward_mean"] == 0 and r["vineppo/value_mean"] == 0 for r in train)
     assert any(r["charts/truncated_frac"] > 0 for r in train)
 
 
 def test_critic_smoke_logs_value_loss_and_saves_the_critic(tiny_model_path, tmp_path):
-    run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--value-estimator", "critic", "--total-updates", "3",
-               "--critic-head-learning-rate", "1e-2", "--keep-final-state", "--run-name", "critic", cwd=tmp_path)
+    run_script(
+        "vineppo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--value-estimator",
+        "critic",
+        "--total-updates",
+        "3",
+        "--critic-head-learning-rate",
+        "1e-2",
+        "--keep-final-state",
+        "--run-name",
+        "critic",
+        cwd=tmp_path,
+    )
     train = train_rows(tmp_path, "critic")
     for key in SHARED_KEYS + VINE_KEYS + ["losses/value_loss"]:
         assert all(key in r for r in train), key
@@ -73,15 +158,49 @@ def test_critic_smoke_logs_value_loss_and_saves_the_critic(tiny_model_path, tmp_
 
 
 def test_exact_staleness_with_mc_values_from_the_behaviour_policy(tiny_model_path, tmp_path):
-    run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--total-updates", "5",
-               "--staleness", "2", "--eval-every", "0", "--learning-rate", "1e-3", "--run-name", "s2", cwd=tmp_path)
+    run_script(
+        "vineppo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--mc-samples",
+        str(K),
+        "--total-updates",
+        "5",
+        "--staleness",
+        "2",
+        "--eval-every",
+        "0",
+        "--learning-rate",
+        "1e-3",
+        "--run-name",
+        "s2",
+        cwd=tmp_path,
+    )
     rows = train_rows(tmp_path, "s2")
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2, 2]
     # the MC values of every batch were computed by the version that generated the batch
     assert [r["vineppo/mc_staleness"] for r in rows] == [r["async/staleness_mean"] for r in rows]
     # two epochs per batch: the lag clock counts both passes (batch k is generated by version 2k - 2)
-    run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--total-updates", "6",
-               "--staleness", "2", "--epochs", "2", "--eval-every", "0", "--run-name", "e2", cwd=tmp_path)
+    run_script(
+        "vineppo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--mc-samples",
+        str(K),
+        "--total-updates",
+        "6",
+        "--staleness",
+        "2",
+        "--epochs",
+        "2",
+        "--eval-every",
+        "0",
+        "--run-name",
+        "e2",
+        cwd=tmp_path,
+    )
     rows = train_rows(tmp_path, "e2")
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 3, 2, 3]
     assert [r["vineppo/mc_staleness"] for r in rows] == [r["async/staleness_mean"] for r in rows]
@@ -89,8 +208,20 @@ def test_exact_staleness_with_mc_values_from_the_behaviour_policy(tiny_model_pat
 
 def test_on_policy_fp32_ratio_is_one_and_clip_never_fires(tiny_model_path, tmp_path):
     exact = ["--no-bf16", "--engine-dtype", "float32", "--learning-rate", "1e-3", "--total-updates", "3"]
-    run_script("vineppo.py", "--model", tiny_model_path, *FAST, *exact, "--mc-samples", str(K), "--eval-every", "0",
-               "--run-name", "fp32", cwd=tmp_path)
+    run_script(
+        "vineppo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        *exact,
+        "--mc-samples",
+        str(K),
+        "--eval-every",
+        "0",
+        "--run-name",
+        "fp32",
+        cwd=tmp_path,
+    )
     rows = train_rows(tmp_path, "fp32")
     assert any(r["losses/grad_norm"] > 0 for r in rows)
     assert all(r["losses/clipfrac"] == 0 and abs(r["losses/ratio_mean"] - 1) < 1e-4 for r in rows)
@@ -99,9 +230,26 @@ def test_on_policy_fp32_ratio_is_one_and_clip_never_fires(tiny_model_path, tmp_p
 
 def test_ratio_guard_skips_updates_and_counts_them(tiny_model_path, tmp_path):
     """A guard below the on-policy mean ratio (~1) trips on every update: nothing is trained, every skip counted."""
-    run_script("vineppo.py", "--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--total-updates", "3",
-               "--ratio-guard", "0.5", "--learning-rate", "1e-2", "--eval-every", "0", "--keep-final-state",
-               "--run-name", "g", cwd=tmp_path)
+    run_script(
+        "vineppo.py",
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--mc-samples",
+        str(K),
+        "--total-updates",
+        "3",
+        "--ratio-guard",
+        "0.5",
+        "--learning-rate",
+        "1e-2",
+        "--eval-every",
+        "0",
+        "--keep-final-state",
+        "--run-name",
+        "g",
+        cwd=tmp_path,
+    )
     assert [r["vineppo/skipped_batches"] for r in train_rows(tmp_path, "g")] == [1, 2, 3]
     ck = torch.load(tmp_path / "runs" / "g" / "checkpoint.pt", weights_only=False)
     before = load_model(tiny_model_path).state_dict()
@@ -110,11 +258,36 @@ def test_ratio_guard_skips_updates_and_counts_them(tiny_model_path, tmp_path):
 
 @pytest.mark.parametrize("estimator", ["mc", "critic"])
 def test_resume_reproduces_uninterrupted_run(tiny_model_path, tmp_path, estimator):
-    common = ["--model", tiny_model_path, *FAST, "--mc-samples", str(K), "--staleness", "2", "--updates-per-batch",
-              "2", "--learning-rate", "1e-2", "--value-estimator", estimator, "--eval-every", "0"]
+    common = [
+        "--model",
+        tiny_model_path,
+        *FAST,
+        "--mc-samples",
+        str(K),
+        "--staleness",
+        "2",
+        "--updates-per-batch",
+        "2",
+        "--learning-rate",
+        "1e-2",
+        "--value-estimator",
+        estimator,
+        "--eval-every",
+        "0",
+    ]
     run_script("vineppo.py", *common, "--total-updates", "6", "--run-name", "full", cwd=tmp_path)
-    part = run_script("vineppo.py", *common, "--total-updates", "6", "--debug-interrupt-at", "3", "--run-name", "part",
-                      cwd=tmp_path, check=False)  # interrupted mid-batch
+    part = run_script(
+        "vineppo.py",
+        *common,
+        "--total-updates",
+        "6",
+        "--debug-interrupt-at",
+        "3",
+        "--run-name",
+        "part",
+        cwd=tmp_path,
+        check=False,
+    )  # interrupted mid-batch
     assert part.returncode == 130, part.stderr[-2000:]
     run_script("vineppo.py", "--resume", str(tmp_path / "runs" / "part"), cwd=tmp_path)
     not_timing = lambda rows: [{k: v for k, v in r.items() if k != "vineppo/mc_time_frac"} for r in comparable(rows)]
@@ -123,13 +296,16 @@ def test_resume_reproduces_uninterrupted_run(tiny_model_path, tmp_path, estimato
     assert any(r["losses/grad_norm"] > 0 for r in full[1:])
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--mc-samples", "0"], "--mc-samples"),
-    (["--max-steps", "-1"], "--max-steps (the authors' GSM8K cap: 25) >= 0"),
-    (["--ratio-guard", "0"], "--ratio-guard must be > 0"),
-    (["--staleness", "-1"], "--staleness must be >= 0"),
-    (["--value-estimator", "gae"], "value-estimator"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--mc-samples", "0"], "--mc-samples"),
+        (["--max-steps", "-1"], "--max-steps (the authors' GSM8K cap: 25) >= 0"),
+        (["--ratio-guard", "0"], "--ratio-guard must be > 0"),
+        (["--staleness", "-1"], "--staleness must be >= 0"),
+        (["--value-estimator", "gae"], "value-estimator"),
+    ],
+)
 def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
     proc = run_script("vineppo.py", "--model", tiny_model_path, *FAST, *flags, cwd=tmp_path, check=False, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr + proc.stdout, proc.stderr[-2000:]

@@ -10,14 +10,13 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from conftest import FAST as HF_FAST  # noqa: E402
-from conftest import ROOT, assert_same_run_across_ranks, run_script, run_torchrun  # noqa: E402
-
 from common.batching import collate, pad_float, response_logprobs  # noqa: E402
 from common.engine import VLLMEngine, make_engine, weight_payload  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from common.tasks import encode_prompt  # noqa: E402
 from common.tracking import read_metrics  # noqa: E402
+from conftest import FAST as HF_FAST  # noqa: E402
+from conftest import ROOT, assert_same_run_across_ranks, run_script, run_torchrun  # noqa: E402
 
 T = 0.7
 
@@ -27,9 +26,20 @@ def setup(tiny_vllm_model_path):
     """The trainer's fp32 policy and an fp32 vLLM engine synced from it (one engine start for the module)."""
     tok = load_tokenizer(tiny_vllm_model_path)
     policy = load_model(tiny_vllm_model_path).eval()
-    engine = make_engine("vllm", policy, tiny_vllm_model_path, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
-                         dtype=torch.float32, max_batch=64, seed=0, kv_cache_gib=0.25)
-    prompts = [encode_prompt(tok, f"What is {a} + {b}? Reply with just the number.") for a, b in [(3, 4), (5, 1), (3, 4)]]
+    engine = make_engine(
+        "vllm",
+        policy,
+        tiny_vllm_model_path,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        dtype=torch.float32,
+        max_batch=64,
+        seed=0,
+        kv_cache_gib=0.25,
+    )
+    prompts = [
+        encode_prompt(tok, f"What is {a} + {b}? Reply with just the number.") for a, b in [(3, 4), (5, 1), (3, 4)]
+    ]
     return tok, policy, engine, prompts
 
 
@@ -55,7 +65,9 @@ def test_generates_valid_groups(setup):
         assert 1 <= len(o["response"]) <= 8 and len(o["logprobs"]) == len(o["response"]) == len(o["versions"])
         assert all(lp <= 0 for lp in o["logprobs"]) and o["version"] == engine.version
         ends = tok.eos_token_id in o["response"]
-        assert o["truncated"] == (not ends) and (not ends or o["response"].index(tok.eos_token_id) == len(o["response"]) - 1)
+        assert o["truncated"] == (not ends) and (
+            not ends or o["response"].index(tok.eos_token_id) == len(o["response"]) - 1
+        )
     again = engine.generate(prompts, n=4, max_new_tokens=8, temperature=T, seed=3)
     assert [o["response"] for o in again] == [o["response"] for o in outs]  # seeded: reproducible
     other = engine.generate(prompts, n=4, max_new_tokens=8, temperature=T, seed=4)
@@ -183,8 +195,7 @@ def test_nccl_sync_between_gpus(tiny_vllm_model_path):  # pragma: no cover - GPU
     policy = load_model(tiny_vllm_model_path).to("cuda:0")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     # the engine's processes see the second GPU only; this process's CUDA_VISIBLE_DEVICES is restored after
-    engine = VLLMEngine(tiny_vllm_model_path, eos_ids=[tok.eos_token_id], dtype=torch.float32, sync="nccl",
-                        gpus=["1"])
+    engine = VLLMEngine(tiny_vllm_model_path, eos_ids=[tok.eos_token_id], dtype=torch.float32, sync="nccl", gpus=["1"])
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible
     with torch.no_grad():
         for p in policy.parameters():
@@ -205,8 +216,22 @@ def test_grpo_with_vllm_staleness_and_resume(tiny_vllm_model_path, tmp_path):
     pattern, engine log-probs within bf16 rounding of the trainer's on the first batch, a checkpoint carrying the
     engine's weights, and a resume that finishes. (One vLLM engine per process: a second in-process engine tears
     down the first one's parallel state, so bf16 is checked here, in its own process.)"""
-    proc = run_script("grpo.py", "--model", tiny_vllm_model_path, *FAST, "--total-updates", "5",
-                      "--staleness", "2", "--debug-interrupt-at", "3", "--run-name", "v", cwd=tmp_path, check=False)
+    proc = run_script(
+        "grpo.py",
+        "--model",
+        tiny_vllm_model_path,
+        *FAST,
+        "--total-updates",
+        "5",
+        "--staleness",
+        "2",
+        "--debug-interrupt-at",
+        "3",
+        "--run-name",
+        "v",
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 130, proc.stderr[-2000:]
     run_script("grpo.py", "--resume", str(tmp_path / "runs" / "v"), cwd=tmp_path)
     rows = [r for r in read_metrics(tmp_path / "runs" / "v" / "metrics.jsonl") if "losses/policy_loss" in r]
@@ -218,9 +243,24 @@ def test_grpo_with_vllm_staleness_and_resume(tiny_vllm_model_path, tmp_path):
     texts = {}
     for engine in ("hf", "vllm"):
         out = tmp_path / f"eval_{engine}" / "res.csv"
-        proc = run_script("../reproduce/eval/evaluate.py", "--model", str(tmp_path / "runs" / "v"), "--benchmarks",
-                          "gsm8k", "--data-paths", f"gsm8k={ROOT / 'tests' / 'fixtures' / 'gsm8k'}", "--max-new-tokens",
-                          "8", "--engine", engine, "--engine-dtype", "float32", "--output", str(out), cwd=tmp_path)
+        proc = run_script(
+            "../reproduce/eval/evaluate.py",
+            "--model",
+            str(tmp_path / "runs" / "v"),
+            "--benchmarks",
+            "gsm8k",
+            "--data-paths",
+            f"gsm8k={ROOT / 'tests' / 'fixtures' / 'gsm8k'}",
+            "--max-new-tokens",
+            "8",
+            "--engine",
+            engine,
+            "--engine-dtype",
+            "float32",
+            "--output",
+            str(out),
+            cwd=tmp_path,
+        )
         assert "checkpoint" not in proc.stdout  # the model folder, not a checkpoint on its base model
         texts[engine] = [json.loads(line)["response"] for line in open(out.with_suffix(".samples.jsonl"))]
     assert texts["vllm"] == texts["hf"]
@@ -232,8 +272,18 @@ def test_grpo_with_vllm_staleness_and_resume(tiny_vllm_model_path, tmp_path):
 def test_two_trainer_ranks_with_vllm_give_the_one_process_run(tiny_vllm_model_path, tmp_path):
     """Under torchrun the engine runs in its own process (an in-process vLLM would join the trainer's process
     group), synced with the whole payload in one message; the run equals the one-process run (in-process engine)."""
-    flags = ["--model", tiny_vllm_model_path, *FAST, *EXACT, "--total-updates", "4", "--staleness", "1",
-             "--micro-batch-size", "4"]
+    flags = [
+        "--model",
+        tiny_vllm_model_path,
+        *FAST,
+        *EXACT,
+        "--total-updates",
+        "4",
+        "--staleness",
+        "1",
+        "--micro-batch-size",
+        "4",
+    ]
     run_script("grpo.py", *flags, "--run-name", "one", cwd=tmp_path)
     proc = run_torchrun("grpo.py", *flags, "--run-name", "two", cwd=tmp_path)
     assert "2 trainer rank(s)" in proc.stdout
@@ -244,17 +294,31 @@ def test_two_trainer_ranks_with_vllm_give_the_one_process_run(tiny_vllm_model_pa
 
 
 @pytest.mark.run
-@pytest.mark.parametrize("script,flags", [
-    ("grpo.py", ["--staleness", "0"]),  # on-policy: every update compares engine and trainer after a sync
-    ("m2po.py", ["--staleness", "2"]),
-    ("dapo.py", ["--staleness", "1", "--max-sampling-rounds", "50"]),  # dynamic sampling on the tiny model
-    ("ppo_stale.py", ["--max-staleness", "1"]),  # bounded mode: weights taken between engine calls
-    ("tba.py", ["--staleness", "1"]),
-    ("vineppo.py", ["--staleness", "1", "--mc-samples", "2"]),
-])
+@pytest.mark.parametrize(
+    "script,flags",
+    [
+        ("grpo.py", ["--staleness", "0"]),  # on-policy: every update compares engine and trainer after a sync
+        ("m2po.py", ["--staleness", "2"]),
+        ("dapo.py", ["--staleness", "1", "--max-sampling-rounds", "50"]),  # dynamic sampling on the tiny model
+        ("ppo_stale.py", ["--max-staleness", "1"]),  # bounded mode: weights taken between engine calls
+        ("tba.py", ["--staleness", "1"]),
+        ("vineppo.py", ["--staleness", "1", "--mc-samples", "2"]),
+    ],
+)
 def test_every_script_runs_with_vllm(tiny_vllm_model_path, tmp_path, script, flags):
-    proc = run_script(script, "--model", tiny_vllm_model_path, *FAST, *EXACT, "--total-updates", "3", *flags,
-                      "--run-name", "v", cwd=tmp_path)
+    proc = run_script(
+        script,
+        "--model",
+        tiny_vllm_model_path,
+        *FAST,
+        *EXACT,
+        "--total-updates",
+        "3",
+        *flags,
+        "--run-name",
+        "v",
+        cwd=tmp_path,
+    )
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # a clean run ends cleanly, engine teardown included
     rows = [r for r in read_metrics(tmp_path / "runs" / "v" / "metrics.jsonl") if "losses/grad_norm" in r]
     assert len(rows) == 3 and "async/logprob_diff" in rows[0]
@@ -275,14 +339,30 @@ def test_evaluate_with_vllm_scores_a_checkpoint_as_hf_does(tiny_vllm_model_path,
     model = load_model(tiny_vllm_model_path)
     torch.manual_seed(0)
     state = {k: v + 0.02 * torch.randn_like(v) for k, v in model.state_dict().items()}
-    save_checkpoint(tmp_path / "run" / "checkpoint.pt", {"args": {"model": tiny_vllm_model_path}, "update": 3, "model": state})
+    save_checkpoint(
+        tmp_path / "run" / "checkpoint.pt", {"args": {"model": tiny_vllm_model_path}, "update": 3, "model": state}
+    )
     data = ["--data-paths", f"gsm8k={ROOT / 'tests' / 'fixtures' / 'gsm8k'}"]
     texts = {}
     for engine in ("hf", "vllm"):
         out = tmp_path / engine / "res.csv"
-        run_script("../reproduce/eval/evaluate.py", "--model", str(tmp_path / "run"), "--benchmarks", "gsm8k", *data,
-                   "--max-new-tokens", "8", "--engine", engine, "--engine-dtype", "float32", "--output", str(out),
-                   cwd=tmp_path)
+        run_script(
+            "../reproduce/eval/evaluate.py",
+            "--model",
+            str(tmp_path / "run"),
+            "--benchmarks",
+            "gsm8k",
+            *data,
+            "--max-new-tokens",
+            "8",
+            "--engine",
+            engine,
+            "--engine-dtype",
+            "float32",
+            "--output",
+            str(out),
+            cwd=tmp_path,
+        )
         samples = [json.loads(line) for line in open(out.with_suffix(".samples.jsonl"))]
         texts[engine] = [s["response"] for s in samples]
         with open(out) as f:

@@ -40,24 +40,45 @@ if __name__ == "__main__":
     fig, (acc, thr) = figure(2)
     for loss, label in (("naive", "naive PPO (clip on pi_theta / pi_behav)"), ("decoupled", "decoupled PPO")):
         stats = [mean_sd(final[(loss, e)]) for e in etas]
-        acc.errorbar(range(len(etas)), [m * 100 for m, _ in stats], yerr=[sd * 100 for _, sd in stats], capsize=3,
-                     marker="o", label=f"{label} (n={len(final[(loss, etas[0])])})")
+        acc.errorbar(
+            range(len(etas)),
+            [m * 100 for m, _ in stats],
+            yerr=[sd * 100 for _, sd in stats],
+            capsize=3,
+            marker="o",
+            label=f"{label} (n={len(final[(loss, etas[0])])})",
+        )
     acc.set_xticks(range(len(etas)), [str(e) for e in etas])
-    acc.set(title="(a) final greedy accuracy vs staleness", xlabel="eta (policy versions every sample lags)",
-            ylabel="accuracy on 500 held-out problems (%)")
+    acc.set(
+        title="(a) final greedy accuracy vs staleness",
+        xlabel="eta (policy versions every sample lags)",
+        ylabel="accuracy on 500 held-out problems (%)",
+    )
     speed = throughput(rows)
     t_etas = sorted(speed)
     stats = [mean_sd(speed[e]) for e in t_etas]
-    thr.errorbar(range(len(t_etas)), [m for m, _ in stats], yerr=[sd for _, sd in stats], capsize=3, marker="o",
-                 label="bounded mode --max-staleness eta")
+    thr.errorbar(
+        range(len(t_etas)),
+        [m for m, _ in stats],
+        yerr=[sd for _, sd in stats],
+        capsize=3,
+        marker="o",
+        label="bounded mode --max-staleness eta",
+    )
     thr.set_xticks(range(len(t_etas)), [str(e) for e in t_etas])
-    thr.set(title="(b) training throughput", xlabel="eta (bound, rollout batches ahead)",
-            ylabel="samples trained per second")
+    thr.set(
+        title="(b) training throughput",
+        xlabel="eta (bound, rollout batches ahead)",
+        ylabel="samples trained per second",
+    )
     for ax in (acc, thr):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     save(fig, args.png)
-    table = [[e, pm(final[("naive", e)]), pm(final[("decoupled", e)]),
-              pm(speed[e], scale=1.0) if e in speed else "-"] for e in etas]
-    print(markdown_table(["eta", "naive PPO accuracy (%)", "decoupled PPO accuracy (%)", "throughput (samples/s)"],
-                         table))
+    table = [
+        [e, pm(final[("naive", e)]), pm(final[("decoupled", e)]), pm(speed[e], scale=1.0) if e in speed else "-"]
+        for e in etas
+    ]
+    print(
+        markdown_table(["eta", "naive PPO accuracy (%)", "decoupled PPO accuracy (%)", "throughput (samples/s)"], table)
+    )

@@ -24,8 +24,16 @@ import tyro
 from sweep import Job, SweepArgs, collect, run_jobs, select, start_policies, toy_job, write_csv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KEYS = ["eval/accuracy", "charts/reward_mean", "losses/clipfrac", "losses/entropy", "losses/behav_capped_frac",
-        "losses/ratio_max", "async/staleness_mean", "async/staleness_max"]
+KEYS = [
+    "eval/accuracy",
+    "charts/reward_mean",
+    "losses/clipfrac",
+    "losses/entropy",
+    "losses/behav_capped_frac",
+    "losses/ratio_max",
+    "async/staleness_mean",
+    "async/staleness_max",
+]
 
 
 @dataclass
@@ -41,13 +49,36 @@ class Args(SweepArgs):
 
 
 def jobs(args: Args, models: dict[int, str]) -> tuple[list[Job], list[Job]]:
-    accuracy = [toy_job(models, args, "ppo_stale", 4 * eta, seed, {"part": "accuracy", "loss": loss, "eta": eta},
-                        () if loss == "decoupled" else ("--no-decoupled",), "" if loss == "decoupled" else "naive")
-                for loss in ["naive", "decoupled"] for eta in args.etas for seed in args.seeds]
+    accuracy = [
+        toy_job(
+            models,
+            args,
+            "ppo_stale",
+            4 * eta,
+            seed,
+            {"part": "accuracy", "loss": loss, "eta": eta},
+            () if loss == "decoupled" else ("--no-decoupled",),
+            "" if loss == "decoupled" else "naive",
+        )
+        for loss in ["naive", "decoupled"]
+        for eta in args.etas
+        for seed in args.seeds
+    ]
     short = dataclasses.replace(args, updates=args.throughput_updates, eval_every=0)
-    throughput = [toy_job(models, short, "ppo_stale", 0, seed, {"part": "throughput", "loss": "decoupled", "eta": eta},
-                          ("--max-staleness", str(eta)), f"bounded{eta}")
-                  for eta in args.etas for seed in args.throughput_seeds]
+    throughput = [
+        toy_job(
+            models,
+            short,
+            "ppo_stale",
+            0,
+            seed,
+            {"part": "throughput", "loss": "decoupled", "eta": eta},
+            ("--max-staleness", str(eta)),
+            f"bounded{eta}",
+        )
+        for eta in args.etas
+        for seed in args.throughput_seeds
+    ]
     return accuracy, throughput
 
 

@@ -9,12 +9,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sweep import (figure, final_values, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv, run_means,
-                   save)
+from sweep import figure, final_values, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv, run_means, save
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROWS = ["GRPO", "+ overlong filtering", "+ clip-higher", "+ soft overlong punishment", "+ token-level loss",
-        "+ dynamic sampling (DAPO)"]
+ROWS = [
+    "GRPO",
+    "+ overlong filtering",
+    "+ clip-higher",
+    "+ soft overlong punishment",
+    "+ token-level loss",
+    "+ dynamic sampling (DAPO)",
+]
 PAPER = [30, 36, 38, 41, 42, 50]  # DAPO Table 1: AIME 2024 avg@32 of Qwen2.5-32B
 
 
@@ -25,19 +30,36 @@ if __name__ == "__main__":
     start = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r and r["global_step"] == 0]
     fig, (bars, ent) = figure(2, width=5.2)
     stats = [mean_sd(final[r]) for r in ROWS]
-    bars.bar(range(len(ROWS)), [m * 100 for m, _ in stats], yerr=[sd * 100 for _, sd in stats], capsize=3,
-             color="tab:blue", alpha=0.6)
+    bars.bar(
+        range(len(ROWS)),
+        [m * 100 for m, _ in stats],
+        yerr=[sd * 100 for _, sd in stats],
+        capsize=3,
+        color="tab:blue",
+        alpha=0.6,
+    )
     for i, r in enumerate(ROWS):
         bars.scatter([i] * len(final[r]), [v * 100 for v in final[r]], color="black", s=10, zorder=3)
     bars.set_xticks(range(len(ROWS)), [r.replace("+ ", "+") for r in ROWS], rotation=25, ha="right", fontsize=8)
-    bars.set(title=f"(a) final greedy accuracy, from {sum(start) / len(start) * 100:.1f}% (dots: seeds)",
-             ylabel="accuracy on 500 held-out problems (%)")
+    bars.set(
+        title=f"(a) final greedy accuracy, from {sum(start) / len(start) * 100:.1f}% (dots: seeds)",
+        ylabel="accuracy on 500 held-out problems (%)",
+    )
     lo = min(v for r in ROWS for v in final[r]) * 100
     bars.set_ylim(max(0, lo - 10), None)
-    plot_curves(ent, [r for r in rows if r["row"] in ROWS[1:3]], "row", "losses/entropy", order=ROWS[1:3],
-                labels={ROWS[1]: "symmetric clip (eps 0.2)", ROWS[2]: "clip-higher (eps_high 0.28)"})
-    ent.set(title="(b) policy entropy with and without clip-higher", xlabel="optimizer update",
-            ylabel="mean token entropy (nats)")
+    plot_curves(
+        ent,
+        [r for r in rows if r["row"] in ROWS[1:3]],
+        "row",
+        "losses/entropy",
+        order=ROWS[1:3],
+        labels={ROWS[1]: "symmetric clip (eps 0.2)", ROWS[2]: "clip-higher (eps_high 0.28)"},
+    )
+    ent.set(
+        title="(b) policy entropy with and without clip-higher",
+        xlabel="optimizer update",
+        ylabel="mean token entropy (nats)",
+    )
     ent.legend(fontsize=8)
     for ax in (bars, ent):
         ax.grid(alpha=0.3)
@@ -46,11 +68,34 @@ if __name__ == "__main__":
     for r, paper in zip(ROWS, PAPER):
         filt = run_means(rows, "row", r, "dapo/overlong_filtered_frac")
         pen = run_means(rows, "row", r, "dapo/overlong_penalty_mean")
-        kept = [k / g for k, g in zip(run_means(rows, "row", r, "dapo/groups_kept"),
-                                      run_means(rows, "row", r, "dapo/groups_generated"))]
-        table.append([r, pm(final[r]), pm(run_means(rows, "row", r, "losses/entropy"), scale=1, digits=3),
-                      f"{mean_sd(filt)[0] * 100:.2f}" if filt else "-", f"{mean_sd(pen)[0]:.4f}" if pen else "-",
-                      f"{mean_sd(kept)[0] * 100:.0f}" if kept and r == ROWS[-1] else "-", paper])
-    print(markdown_table(["row", "final accuracy (%)", "mean entropy", "overlong-filtered samples (%)",
-                          "mean overlong penalty", "groups kept by dynamic sampling (%)",
-                          "paper: AIME avg@32"], table))
+        kept = [
+            k / g
+            for k, g in zip(
+                run_means(rows, "row", r, "dapo/groups_kept"), run_means(rows, "row", r, "dapo/groups_generated")
+            )
+        ]
+        table.append(
+            [
+                r,
+                pm(final[r]),
+                pm(run_means(rows, "row", r, "losses/entropy"), scale=1, digits=3),
+                f"{mean_sd(filt)[0] * 100:.2f}" if filt else "-",
+                f"{mean_sd(pen)[0]:.4f}" if pen else "-",
+                f"{mean_sd(kept)[0] * 100:.0f}" if kept and r == ROWS[-1] else "-",
+                paper,
+            ]
+        )
+    print(
+        markdown_table(
+            [
+                "row",
+                "final accuracy (%)",
+                "mean entropy",
+                "overlong-filtered samples (%)",
+                "mean overlong penalty",
+                "groups kept by dynamic sampling (%)",
+                "paper: AIME avg@32",
+            ],
+            table,
+        )
+    )

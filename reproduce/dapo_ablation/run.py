@@ -21,11 +21,27 @@ from sweep import Job, SweepArgs, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SWITCHES = ["overlong-filtering", "clip-higher", "overlong-shaping", "token-level-loss", "dynamic-sampling"]
-ROWS = ["GRPO", "+ overlong filtering", "+ clip-higher", "+ soft overlong punishment", "+ token-level loss",
-        "+ dynamic sampling (DAPO)"]
-KEYS = ["eval/accuracy", "charts/reward_mean", "charts/response_length_mean", "charts/truncated_frac",
-        "losses/entropy", "losses/clipfrac", "dapo/overlong_filtered_frac", "dapo/overlong_penalty_mean",
-        "dapo/groups_kept", "dapo/groups_generated", "dapo/sampling_rounds"]
+ROWS = [
+    "GRPO",
+    "+ overlong filtering",
+    "+ clip-higher",
+    "+ soft overlong punishment",
+    "+ token-level loss",
+    "+ dynamic sampling (DAPO)",
+]
+KEYS = [
+    "eval/accuracy",
+    "charts/reward_mean",
+    "charts/response_length_mean",
+    "charts/truncated_frac",
+    "losses/entropy",
+    "losses/clipfrac",
+    "dapo/overlong_filtered_frac",
+    "dapo/overlong_penalty_mean",
+    "dapo/groups_kept",
+    "dapo/groups_generated",
+    "dapo/sampling_rounds",
+]
 
 
 @dataclass
@@ -40,8 +56,10 @@ def jobs(args: Args, models: dict[int, str]) -> list[Job]:
     out = []
     for row, name in enumerate(ROWS):  # row r turns on the first r switches
         extra = tuple(f"--{'' if i < row else 'no-'}{sw}" for i, sw in enumerate(SWITCHES))
-        out += [toy_job(models, args, "dapo", args.staleness, seed, {"row": name}, extra, f"ladder{row}")
-                for seed in args.seeds]
+        out += [
+            toy_job(models, args, "dapo", args.staleness, seed, {"row": name}, extra, f"ladder{row}")
+            for seed in args.seeds
+        ]
     return out
 
 

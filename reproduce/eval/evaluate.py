@@ -3,10 +3,10 @@
     python reproduce/eval/evaluate.py --benchmarks gsm8k math500 \
         --data-paths gsm8k=data/gsm8k/test.jsonl math500=data/test_math500.json
 
-``--model`` takes a model folder, a hub id, 'default' (the embedded SmolLM2-135M-Instruct), a training run's
-folder (``runs/<run>``: the trained ``model/`` it leaves, else its ``checkpoint.pt``) or a checkpoint.pt. Without ``--data-paths NAME=PATH`` a
-benchmark is loaded from the hub. Results go to the console and to ``--output`` (CSV, one row per
-benchmark); every sample goes to a jsonl next to it. ``--temperature 0`` is greedy decoding (then n = 1).
+``--model`` takes a model folder, a hub id, 'default' (the embedded SmolLM2-135M-Instruct), a training run's folder
+(``runs/<run>``: the trained ``model/`` it leaves, else its ``checkpoint.pt``) or a checkpoint.pt. Without
+``--data-paths NAME=PATH`` a benchmark is loaded from the hub. Results go to the console and to ``--output`` (CSV, one
+row per benchmark); every sample goes to a jsonl next to it. ``--temperature 0`` is greedy decoding (then n = 1).
 """
 
 import csv
@@ -79,8 +79,10 @@ if __name__ == "__main__":
     if args.n < 1 or args.batch_size < 1 or args.max_new_tokens < 1 or args.limit < 0:
         raise SystemExit("--n, --batch-size and --max-new-tokens must be >= 1 and --limit >= 0")
     if args.temperature == 0 and args.n != 1:
-        raise SystemExit(f"--temperature 0 is greedy: every sample is the same, so --n {args.n} is pointless; "
-                         f"pass --n 1 or a temperature > 0")
+        raise SystemExit(
+            f"--temperature 0 is greedy: every sample is the same, so --n {args.n} is pointless; "
+            f"pass --n 1 or a temperature > 0"
+        )
     paths = {}
     for item in args.data_paths:
         name, sep, path = item.partition("=")
@@ -115,9 +117,17 @@ if __name__ == "__main__":
         model.load_state_dict(state)
     gen_eos = model.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
-    engine = make_engine(args.engine, model, model_path, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id,
-                         dtype=getattr(torch, args.engine_dtype), max_batch=args.batch_size, seed=args.seed,
-                         kv_cache_gib=args.vllm_kv_cache_gib)  # a checkpoint's weights reach vLLM by a weight sync
+    engine = make_engine(
+        args.engine,
+        model,
+        model_path,
+        eos_ids=eos_ids,
+        pad_id=tokenizer.pad_token_id,
+        dtype=getattr(torch, args.engine_dtype),
+        max_batch=args.batch_size,
+        seed=args.seed,
+        kv_cache_gib=args.vllm_kv_cache_gib,
+    )  # a checkpoint's weights reach vLLM by a weight sync
     del model
 
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
@@ -126,24 +136,36 @@ if __name__ == "__main__":
     with open(samples_path, "w") as samples_file:
         for bench in args.benchmarks:
             rows = load_benchmark(bench, paths.get(bench), "--data-paths")
-            rows = rows[:args.limit] if args.limit else rows
-            template = args.prompt_template if args.prompt_template != "auto" else ("grpo" if bench == "gsm8k" else "m2po")
+            rows = rows[: args.limit] if args.limit else rows
+            template = (
+                args.prompt_template if args.prompt_template != "auto" else ("grpo" if bench == "gsm8k" else "m2po")
+            )
             prompt, chat, verifier = resolve_template(template)
             check_numeric_answers(rows, verifier, template, bench)
             chat = chat if args.chat_template is None else args.chat_template
             prompts = [encode_prompt(tokenizer, prompt(r), chat) for r in rows]
-            order = sorted(range(len(rows)), key=lambda i: len(prompts[i]))  # similar lengths share a batch: less padding
+            order = sorted(
+                range(len(rows)), key=lambda i: len(prompts[i])
+            )  # similar lengths share a batch: less padding
             t0, outs = time.time(), [None] * len(rows)
             per_batch = max(1, args.batch_size // args.n)
             for b in range(0, len(order), per_batch):
-                idx = order[b:b + per_batch]
-                got = engine.generate([prompts[i] for i in idx], n=args.n, max_new_tokens=args.max_new_tokens,
-                                      temperature=args.temperature if args.temperature > 0 else 1.0, top_p=args.top_p,
-                                      greedy=args.temperature == 0, seed=args.seed + b)
+                idx = order[b : b + per_batch]
+                got = engine.generate(
+                    [prompts[i] for i in idx],
+                    n=args.n,
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature if args.temperature > 0 else 1.0,
+                    top_p=args.top_p,
+                    greedy=args.temperature == 0,
+                    seed=args.seed + b,
+                )
                 for j, i in enumerate(idx):
-                    outs[i] = got[j * args.n:(j + 1) * args.n]
-                print(f"[eval] {bench}: {min(b + per_batch, len(rows))}/{len(rows)} problems, "
-                      f"{time.time() - t0:.0f}s", flush=True)
+                    outs[i] = got[j * args.n : (j + 1) * args.n]
+                print(
+                    f"[eval] {bench}: {min(b + per_batch, len(rows))}/{len(rows)} problems, {time.time() - t0:.0f}s",
+                    flush=True,
+                )
             seconds = time.time() - t0
             correct = np.zeros((len(rows), args.n))
             lengths, truncated = [], []
@@ -153,22 +175,52 @@ if __name__ == "__main__":
                     correct[i, j] = check_answer(verifier, response, row["answer"])
                     lengths.append(len(o["response"]))
                     truncated.append(o["truncated"])
-                    samples_file.write(json.dumps(dict(benchmark=bench, problem=i, sample=j, question=row["question"],
-                                                       gold=row["answer"], response=response, correct=bool(correct[i, j]),
-                                                       truncated=o["truncated"])) + "\n")
+                    samples_file.write(
+                        json.dumps(
+                            dict(
+                                benchmark=bench,
+                                problem=i,
+                                sample=j,
+                                question=row["question"],
+                                gold=row["answer"],
+                                response=response,
+                                correct=bool(correct[i, j]),
+                                truncated=o["truncated"],
+                            )
+                        )
+                        + "\n"
+                    )
             avg, pass_n = avg_and_pass_at_n(correct)
-            results.append({"benchmark": bench, "problems": len(rows), "n": args.n, f"avg@{args.n}": round(avg, 4),
-                            f"pass@{args.n}": round(pass_n, 4), "response_tokens_mean": round(float(np.mean(lengths)), 1),
-                            "truncated_frac": round(float(np.mean(truncated)), 4), "seconds": round(seconds, 1),
-                            "model": args.model, "prompt_template": template, "temperature": args.temperature,
-                            "top_p": args.top_p, "max_new_tokens": args.max_new_tokens})
-            print(f"[eval] {bench}: avg@{args.n} {avg:.4f}  pass@{args.n} {pass_n:.4f}  ({len(rows)} problems, "
-                  f"{seconds:.0f}s, mean {np.mean(lengths):.0f} tokens, {np.mean(truncated):.1%} truncated)", flush=True)
+            results.append(
+                {
+                    "benchmark": bench,
+                    "problems": len(rows),
+                    "n": args.n,
+                    f"avg@{args.n}": round(avg, 4),
+                    f"pass@{args.n}": round(pass_n, 4),
+                    "response_tokens_mean": round(float(np.mean(lengths)), 1),
+                    "truncated_frac": round(float(np.mean(truncated)), 4),
+                    "seconds": round(seconds, 1),
+                    "model": args.model,
+                    "prompt_template": template,
+                    "temperature": args.temperature,
+                    "top_p": args.top_p,
+                    "max_new_tokens": args.max_new_tokens,
+                }
+            )
+            print(
+                f"[eval] {bench}: avg@{args.n} {avg:.4f}  pass@{args.n} {pass_n:.4f}  ({len(rows)} problems, "
+                f"{seconds:.0f}s, mean {np.mean(lengths):.0f} tokens, {np.mean(truncated):.1%} truncated)",
+                flush=True,
+            )
     with open(args.output, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(results[0]))
         writer.writeheader()
         writer.writerows(results)
     print(f"\n{'benchmark':<15}{'problems':>9}{'avg@' + str(args.n):>10}{'pass@' + str(args.n):>10}{'seconds':>9}")
     for r in results:
-        print(f"{r['benchmark']:<15}{r['problems']:>9}{r[f'avg@{args.n}']:>10.4f}{r[f'pass@{args.n}']:>10.4f}{r['seconds']:>9.0f}")
+        print(
+            f"{r['benchmark']:<15}{r['problems']:>9}{r[f'avg@{args.n}']:>10.4f}{r[f'pass@{args.n}']:>10.4f}"
+            f"{r['seconds']:>9.0f}"
+        )
     print(f"wrote {args.output} and {samples_path}")

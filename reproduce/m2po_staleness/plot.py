@@ -9,8 +9,19 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sweep import (curves, figure, final_values, markdown_table, mean_sd, plot_args, plot_curves, pm, read_csv,
-                   run_means, save)
+from sweep import (
+    curves,
+    figure,
+    final_values,
+    markdown_table,
+    mean_sd,
+    plot_args,
+    plot_curves,
+    pm,
+    read_csv,
+    run_means,
+    save,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ORDER = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=0", "M2PO s=256"]
@@ -32,8 +43,10 @@ if __name__ == "__main__":
     # region bounds (docs/m2po.md); the unconstrained run's M2 for contrast
     m2_rows = []
     for r in rows:
-        series = {"M2PO s=256": [("M2, all tokens", "m2po/M2"), ("after: active tokens, capped", "m2po/M2_after")],
-                  "no trust region s=256": [("M2, all tokens", "m2po/M2")]}.get(r["config"], [])
+        series = {
+            "M2PO s=256": [("M2, all tokens", "m2po/M2"), ("after: active tokens, capped", "m2po/M2_after")],
+            "no trust region s=256": [("M2, all tokens", "m2po/M2")],
+        }.get(r["config"], [])
         m2_rows += [dict(r, config=f"{r['config']}: {name}", M2=r[key]) for name, key in series if key in r]
     plot_curves(m2, m2_rows, "config", "M2")
     m2.axhline(0.04, color="gray", linestyle="--", linewidth=1, label="threshold tau_M2 = 0.04")
@@ -50,10 +63,28 @@ if __name__ == "__main__":
         m2_c = run_means(rows, "config", c, "m2po/M2")
         m2a = run_means(rows, "config", c, "m2po/M2_after") if c.startswith("M2PO") else []
         bound = run_means(rows, "config", c, "m2po/constrained_frac") if c.startswith("M2PO") else []
-        table.append([c, pm(final[c]), pm(frac_c, digits=2) if frac_c else "-",
-                      f"{mean_sd(m2_c)[0]:.4f}" if m2_c else "-", f"{mean_sd(m2a)[0]:.4f}" if m2a else "-",
-                      pm(bound, digits=0) if bound else "-"])
-    print(markdown_table(["configuration", "final accuracy (%)", "clipped / masked tokens (%)", "M2 (all tokens)",
-                          "M2 after the trust region (active tokens, capped)", "micro-batches constrained (%)"], table))
+        table.append(
+            [
+                c,
+                pm(final[c]),
+                pm(frac_c, digits=2) if frac_c else "-",
+                f"{mean_sd(m2_c)[0]:.4f}" if m2_c else "-",
+                f"{mean_sd(m2a)[0]:.4f}" if m2a else "-",
+                pm(bound, digits=0) if bound else "-",
+            ]
+        )
+    print(
+        markdown_table(
+            [
+                "configuration",
+                "final accuracy (%)",
+                "clipped / masked tokens (%)",
+                "M2 (all tokens)",
+                "M2 after the trust region (active tokens, capped)",
+                "micro-batches constrained (%)",
+            ],
+            table,
+        )
+    )
     data = curves(rows, "config", "eval/accuracy")
     print("best accuracy (%, mean over seeds):", {c: round(max(data[c][1]) * 100, 1) for c in ORDER if c in data})

@@ -28,8 +28,18 @@ CONFIGS = {
     "M2PO s=0": ("m2po", 0, (), ""),
     "M2PO s=256": ("m2po", 256, (), ""),
 }
-KEYS = ["eval/accuracy", "charts/reward_mean", "losses/clipfrac", "losses/entropy", "losses/ratio_max",
-        "losses/grad_norm", "m2po/M2", "m2po/M2_after", "m2po/constrained_frac", "async/staleness_mean"]
+KEYS = [
+    "eval/accuracy",
+    "charts/reward_mean",
+    "losses/clipfrac",
+    "losses/entropy",
+    "losses/ratio_max",
+    "losses/grad_norm",
+    "m2po/M2",
+    "m2po/M2_after",
+    "m2po/constrained_frac",
+    "async/staleness_mean",
+]
 
 
 @dataclass
@@ -39,8 +49,11 @@ class Args(SweepArgs):
 
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
-    return [toy_job(models, args, algo, s, seed, {"config": name}, extra, tag)
-            for name, (algo, s, extra, tag) in CONFIGS.items() for seed in args.seeds]
+    return [
+        toy_job(models, args, algo, s, seed, {"config": name}, extra, tag)
+        for name, (algo, s, extra, tag) in CONFIGS.items()
+        for seed in args.seeds
+    ]
 
 
 if __name__ == "__main__":

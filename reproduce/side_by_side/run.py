@@ -22,8 +22,14 @@ from sweep import Job, SweepArgs, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "tba", "vineppo"]
-KEYS = ["eval/accuracy", "charts/reward_mean", "charts/response_length_mean", "losses/clipfrac", "losses/entropy",
-        "async/staleness_mean"]
+KEYS = [
+    "eval/accuracy",
+    "charts/reward_mean",
+    "charts/response_length_mean",
+    "losses/clipfrac",
+    "losses/entropy",
+    "async/staleness_mean",
+]
 
 
 @dataclass
@@ -37,8 +43,12 @@ class Args(SweepArgs):
 
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
-    return [toy_job(models, args, algo, s, seed, {"algo": algo, "staleness": s})
-            for algo in args.algos for s in args.staleness for seed in args.seeds]
+    return [
+        toy_job(models, args, algo, s, seed, {"algo": algo, "staleness": s})
+        for algo in args.algos
+        for s in args.staleness
+        for seed in args.seeds
+    ]
 
 
 if __name__ == "__main__":

@@ -53,14 +53,19 @@ if __name__ == "__main__":
     for rep in range(args.repeats + 1):
         prompts = [encode_prompt(tok, task.prompt(r)) for r in task.train_rows(rep, args.prompts)]
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, n=args.group_size, max_new_tokens=args.max_new_tokens, temperature=0.7, seed=rep)
+        outs = engine.generate(
+            prompts, n=args.group_size, max_new_tokens=args.max_new_tokens, temperature=0.7, seed=rep
+        )
         t1 = time.perf_counter()
         B = len(outs)
         opt.zero_grad()
         for i in range(0, B, args.micro_batch_size):  # micro-batches of whole groups, as grpo.py forms them
-            sub = outs[i:i + args.micro_batch_size]
-            batch = collate([prompts[j // args.group_size] for j in range(i, i + len(sub))], [o["response"] for o in sub],
-                            tok.pad_token_id)
+            sub = outs[i : i + args.micro_batch_size]
+            batch = collate(
+                [prompts[j // args.group_size] for j in range(i, i + len(sub))],
+                [o["response"] for o in sub],
+                tok.pad_token_id,
+            )
             behav = pad_float([o["logprobs"] for o in sub], batch["response_mask"].shape[1])
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logp, _ = response_logprobs(policy, batch, 0.7)
@@ -83,14 +88,23 @@ if __name__ == "__main__":
     computed_tokens = prompt_tokens // args.group_size + gen_tokens  # each group's prompt runs once
     floor_train = 6 * n_params * computed_tokens / (args.gflops * 1e9)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"model {path} ({n_params / 1e6:.1f}M params), {args.prompts} prompts x {args.group_size} samples x "
-          f"{args.max_new_tokens} new tokens, micro-batch {args.micro_batch_size}, torch threads {torch.get_num_threads()}")
-    print(f"generate     {med['generate']:6.2f} s   {gen_tokens / med['generate']:7.1f} new tokens/s   "
-          f"(floor {floor_gen:.2f} s: 2*N*(prefill {prompt_tokens // args.group_size} + decode {gen_tokens}) tokens)")
-    print(f"train step   {med['train_step']:6.2f} s   {train_tokens / med['train_step']:7.1f} tokens/s   "
-          f"(floor {floor_train:.2f} s: 6*N*(prompts {prompt_tokens // args.group_size} + responses {gen_tokens}) "
-          f"tokens; {train_tokens} without prompt sharing)")
+    print(
+        f"model {path} ({n_params / 1e6:.1f}M params), {args.prompts} prompts x {args.group_size} samples x "
+        f"{args.max_new_tokens} new tokens, micro-batch {args.micro_batch_size}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"generate     {med['generate']:6.2f} s   {gen_tokens / med['generate']:7.1f} new tokens/s   "
+        f"(floor {floor_gen:.2f} s: 2*N*(prefill {prompt_tokens // args.group_size} + decode {gen_tokens}) tokens)"
+    )
+    print(
+        f"train step   {med['train_step']:6.2f} s   {train_tokens / med['train_step']:7.1f} tokens/s   "
+        f"(floor {floor_train:.2f} s: 6*N*(prompts {prompt_tokens // args.group_size} + responses {gen_tokens}) "
+        f"tokens; {train_tokens} without prompt sharing)"
+    )
     print(f"weight sync  {med['weight_sync']:6.2f} s")
     print(f"heap trim    {med['heap_trim']:6.2f} s   (freed memory back to the OS, common/memory.py)")
     total = sum(med.values())
-    print(f"update total {total:6.2f} s   (roofline floor {floor_gen + floor_train:.2f} s at {args.gflops:.0f} GFLOP/s)")
+    print(
+        f"update total {total:6.2f} s   (roofline floor {floor_gen + floor_train:.2f} s at {args.gflops:.0f} GFLOP/s)"
+    )

@@ -20,11 +20,17 @@ if __name__ == "__main__":
     minutes = [dict(r, minutes=r["time/elapsed"] / 60) for r in rows if "time/elapsed" in r]
     fig, (wall, upd) = figure(2, width=5.2)
     plot_curves(wall, minutes, "config", "eval/accuracy", x="minutes", order=ORDER, scale=100)
-    wall.set(title="(a) accuracy vs wall-clock", xlabel="minutes (1 of 2 CPU cores per run)",
-             ylabel="greedy accuracy on 500 held-out problems (%)")
+    wall.set(
+        title="(a) accuracy vs wall-clock",
+        xlabel="minutes (1 of 2 CPU cores per run)",
+        ylabel="greedy accuracy on 500 held-out problems (%)",
+    )
     plot_curves(upd, rows, "config", "eval/accuracy", order=ORDER, scale=100)
-    upd.set(title="(b) accuracy vs update (m: recency prob., k: sync period)", xlabel="optimizer update",
-            ylabel="greedy accuracy (%)")
+    upd.set(
+        title="(b) accuracy vs update (m: recency prob., k: sync period)",
+        xlabel="optimizer update",
+        ylabel="greedy accuracy (%)",
+    )
     for ax in (wall, upd):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -38,7 +44,24 @@ if __name__ == "__main__":
             continue
         xs, mean = data[c][0], data[c][1]
         reach = next((x for x, m in zip(xs, mean) if m >= target), None)
-        table.append([c, pm(final[c]), f"{max(mean) * 100:.1f}", f"{xs[-1]:.1f}",
-                      f"{reach:.1f}" if reach is not None else "not reached"])
-    print(markdown_table(["configuration", "final accuracy (%)", "peak mean accuracy (%)", "wall-clock (min)",
-                          f"minutes to GRPO's peak ({target * 100:.1f}%)"], table))
+        table.append(
+            [
+                c,
+                pm(final[c]),
+                f"{max(mean) * 100:.1f}",
+                f"{xs[-1]:.1f}",
+                f"{reach:.1f}" if reach is not None else "not reached",
+            ]
+        )
+    print(
+        markdown_table(
+            [
+                "configuration",
+                "final accuracy (%)",
+                "peak mean accuracy (%)",
+                "wall-clock (min)",
+                f"minutes to GRPO's peak ({target * 100:.1f}%)",
+            ],
+            table,
+        )
+    )

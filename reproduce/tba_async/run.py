@@ -28,8 +28,15 @@ CONFIGS = {
     "TBA k=2, m=1.0": ("tba", 2, ("--recency-prob", "1.0"), "m1.0"),
     "TBA k=16, m=0.95": ("tba", 16, (), ""),  # the side-by-side run (m = 0.95 is tba.py's default)
 }
-KEYS = ["eval/accuracy", "charts/reward_mean", "losses/entropy", "async/staleness_mean", "tba/recency_frac",
-        "tba/buffer_size", "tba/residual_abs_mean"]
+KEYS = [
+    "eval/accuracy",
+    "charts/reward_mean",
+    "losses/entropy",
+    "async/staleness_mean",
+    "tba/recency_frac",
+    "tba/buffer_size",
+    "tba/residual_abs_mean",
+]
 
 
 @dataclass
@@ -39,8 +46,11 @@ class Args(SweepArgs):
 
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
-    return [toy_job(models, args, algo, s, seed, {"config": name}, extra, tag)
-            for name, (algo, s, extra, tag) in CONFIGS.items() for seed in args.seeds]
+    return [
+        toy_job(models, args, algo, s, seed, {"config": name}, extra, tag)
+        for name, (algo, s, extra, tag) in CONFIGS.items()
+        for seed in args.seeds
+    ]
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ eval set as the algorithm scripts do (``common.engine.sample``, bf16 autocast, t
 
 Where it stops is chosen by what RL will start from, not by a step count: the warm start learns addition in a
 steep jump whose position depends on the seed and on the CPU's floating-point kernels, so a fixed step count lands
-far off on some machines. Every --check-every steps it measures the greedy accuracy and the accuracy of one sample per problem at
---temperature (the reward rate RL starts from) on the held-out problems, and stops at the first check with both
-inside their bands (--band, --sampled-band). If a check jumps over a band, the weights and optimizer state go back
+far off on some machines. Every --check-every steps it measures the greedy accuracy and the accuracy of one sample per
+problem at --temperature (the reward rate RL starts from) on the held-out problems, and stops at the first check with
+both inside their bands (--band, --sampled-band). If a check jumps over a band, the weights and optimizer state go back
 to the previous check and those steps are replayed with a check after each (training is deterministic, so the
 replay repeats them). No landing by --max-steps is an error. Then it measures what RL will meet: rollouts at the
 figures' temperature and budget (steps per response, length median and 95th percentile, truncated fraction), the
@@ -53,17 +53,33 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (BOS, EOS, PAD, UNK, *ROLE_TOKENS)
 CHARACTERS = string.printable[:95] + "\n"  # digits, letters, punctuation, space; then newline
 # <s><|role|>content for every turn, </s> after an assistant turn; the generation prompt opens the assistant turn
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
-                 "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 MANIFEST = "toy_policy.json"
 # per task: operand digits, greedy- and sampled-accuracy bands, steps between checks, positions, generation budget,
 # folder name
 TASK_DEFAULTS = {
-    "arithmetic": {"digits": 2, "band": (0.28, 0.38), "sampled_band": (0.22, 0.32), "check_every": 25,
-                   "max_position_embeddings": 256, "eval_max_new_tokens": 16, "name": "toy-arith"},
-    "chain": {"digits": 1, "band": (0.25, 0.35), "sampled_band": (0.15, 0.35), "check_every": 25,
-              "max_position_embeddings": 384, "eval_max_new_tokens": 128, "name": "toy-chain"},
+    "arithmetic": {
+        "digits": 2,
+        "band": (0.28, 0.38),
+        "sampled_band": (0.22, 0.32),
+        "check_every": 25,
+        "max_position_embeddings": 256,
+        "eval_max_new_tokens": 16,
+        "name": "toy-arith",
+    },
+    "chain": {
+        "digits": 1,
+        "band": (0.25, 0.35),
+        "sampled_band": (0.15, 0.35),
+        "check_every": 25,
+        "max_position_embeddings": 384,
+        "eval_max_new_tokens": 128,
+        "name": "toy-chain",
+    },
 }
 
 
@@ -139,29 +155,57 @@ def build_tokenizer():
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character on its own
     core.decoder = decoders.Fuse()  # concatenate, no spaces between tokens
     core.add_special_tokens(list(SPECIAL_TOKENS))
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-                                  additional_special_tokens=list(ROLE_TOKENS), model_max_length=256,
-                                  padding_side="left", clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_TOKENS),
+        model_max_length=256,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
-def build_config(tokenizer, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 4,
-                 intermediate_size: int = 512, max_position_embeddings: int = 256):
+def build_config(
+    tokenizer,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 256,
+):
     """A small ``LlamaConfig`` for ``tokenizer`` with tied embeddings; bad shapes are a SystemExit."""
     from transformers import LlamaConfig
 
     if min(hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings) < 1:
-        raise SystemExit("--hidden-size, --num-layers, --num-heads, --num-kv-heads, --intermediate-size and "
-                         "--max-position-embeddings must all be >= 1")
+        raise SystemExit(
+            "--hidden-size, --num-layers, --num-heads, --num-kv-heads, --intermediate-size and "
+            "--max-position-embeddings must all be >= 1"
+        )
     if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise SystemExit(f"--hidden-size {hidden_size} must be divisible by --num-heads {num_heads}, and --num-heads by "
-                         f"--num-kv-heads {num_kv_heads}")
-    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-                       num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                       head_dim=hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
-                       tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        raise SystemExit(
+            f"--hidden-size {hidden_size} must be divisible by --num-heads {num_heads}, and --num-heads by "
+            f"--num-kv-heads {num_kv_heads}"
+        )
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def build_model(config, seed: int):
@@ -190,7 +234,8 @@ def supervised_batch(task, tokenizer, rows: list[dict]) -> dict:
 
 
 def supervised_step(model, optimizer, batch: dict, max_grad_norm: float = 1.0) -> float:
-    """One AdamW step (clipped gradients) on the mean negative log-likelihood of the answer tokens; returns that loss."""
+    """One AdamW step (clipped gradients) on the mean negative log-likelihood of the answer tokens; returns that
+    loss."""
     logp, _ = response_logprobs(model, batch, with_grad=False)  # tiny vocabulary: no need to checkpoint the head
     loss = -logp.sum() / batch["response_mask"].sum()
     optimizer.zero_grad()
@@ -209,8 +254,14 @@ def eval_texts(model, tokenizer, task, max_new_tokens: int = 16, batch_size: int
     prompts = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in task.eval_rows]
     responses = []
     for i in range(0, len(prompts), batch_size):
-        r, _, _ = sample(model, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
-                         eos_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id, **sampling)
+        r, _, _ = sample(
+            model,
+            prompts[i : i + batch_size],
+            max_new_tokens=max_new_tokens,
+            eos_ids=[tokenizer.eos_token_id],
+            pad_id=tokenizer.pad_token_id,
+            **sampling,
+        )
         responses += r
     model.train(was_training)
     return tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -229,8 +280,17 @@ def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 16) -> float:
 def sampled_accuracy(model, tokenizer, task, max_new_tokens: int, temperature: float, seed: int = 1) -> float:
     """Accuracy of one sample per held-out problem at ``temperature`` (the sampler seeded with ``seed``, the same
     whatever the policy's seed): the reward rate RL starts from."""
-    return accuracy_of(task, eval_texts(model, tokenizer, task, max_new_tokens, temperature=temperature,
-                                        generator=torch.Generator().manual_seed(seed)))
+    return accuracy_of(
+        task,
+        eval_texts(
+            model,
+            tokenizer,
+            task,
+            max_new_tokens,
+            temperature=temperature,
+            generator=torch.Generator().manual_seed(seed),
+        ),
+    )
 
 
 def steps_of(text: str) -> list[str]:
@@ -255,8 +315,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 @torch.no_grad()
-def rollout_stats(model, tokenizer, task, prompts: int, samples: int, max_new_tokens: int, temperature: float,
-                  seed: int) -> dict:
+def rollout_stats(
+    model, tokenizer, task, prompts: int, samples: int, max_new_tokens: int, temperature: float, seed: int
+) -> dict:
     """What RL will see from this policy: ``samples`` responses to each of the first ``prompts`` held-out problems
     at ``temperature`` and the figures' budget: steps (non-empty lines) per response, response tokens (median,
     95th percentile and their ratio), the fraction that hit the budget, and the sampled accuracy; plus the
@@ -265,25 +326,39 @@ def rollout_stats(model, tokenizer, task, prompts: int, samples: int, max_new_to
     rows = task.eval_rows[:prompts]
     encoded = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in rows]
     t0 = time.perf_counter()
-    responses, _, truncated = sample(model, encoded, max_new_tokens=max_new_tokens, eos_ids=[tokenizer.eos_token_id],
-                                     pad_id=tokenizer.pad_token_id, temperature=temperature, n=samples,
-                                     generator=torch.Generator().manual_seed(seed))
+    responses, _, truncated = sample(
+        model,
+        encoded,
+        max_new_tokens=max_new_tokens,
+        eos_ids=[tokenizer.eos_token_id],
+        pad_id=tokenizer.pad_token_id,
+        temperature=temperature,
+        n=samples,
+        generator=torch.Generator().manual_seed(seed),
+    )
     seconds = time.perf_counter() - t0
     model.train()
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     golds = [r for r in rows for _ in range(samples)]
     lengths = [len(r) for r in responses]
     median = percentile(lengths, 0.5)
-    return {"samples": len(texts), "temperature": temperature, "max_new_tokens": max_new_tokens,
-            "steps_mean": float(np.mean([len(steps_of(t)) for t in texts])), "tokens_median": median,
-            "tokens_p95": percentile(lengths, 0.95), "p95_over_median": percentile(lengths, 0.95) / max(median, 1),
-            "truncated_frac": float(np.mean(truncated)),
-            "accuracy": float(np.mean([task.reward(t, r) == 1.0 for t, r in zip(texts, golds)])),
-            "generate_seconds": round(seconds, 3)}
+    return {
+        "samples": len(texts),
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "steps_mean": float(np.mean([len(steps_of(t)) for t in texts])),
+        "tokens_median": median,
+        "tokens_p95": percentile(lengths, 0.95),
+        "p95_over_median": percentile(lengths, 0.95) / max(median, 1),
+        "truncated_frac": float(np.mean(truncated)),
+        "accuracy": float(np.mean([task.reward(t, r) == 1.0 for t, r in zip(texts, golds)])),
+        "generate_seconds": round(seconds, 3),
+    }
 
 
-def update_seconds(model, tokenizer, task, prompts: int, samples: int, max_new_tokens: int, temperature: float,
-                   minibatches: int = 4) -> dict:
+def update_seconds(
+    model, tokenizer, task, prompts: int, samples: int, max_new_tokens: int, temperature: float, minibatches: int = 4
+) -> dict:
     """Seconds of one rollout batch of ``prompts`` x ``samples`` held-out problems (generation) and of training on it
     in ``minibatches`` optimizer updates (forward, backward and AdamW step, bf16 autocast, on a throwaway copy): the
     figures' work per rollout batch, on one thread as the sweeps run it."""
@@ -293,16 +368,23 @@ def update_seconds(model, tokenizer, task, prompts: int, samples: int, max_new_t
         work = copy.deepcopy(model)
         encoded = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in task.eval_rows[:prompts]]
         t0 = time.perf_counter()
-        responses, _, _ = sample(work, encoded, max_new_tokens=max_new_tokens, eos_ids=[tokenizer.eos_token_id],
-                                 pad_id=tokenizer.pad_token_id, temperature=temperature, n=samples,
-                                 generator=torch.Generator().manual_seed(0))
+        responses, _, _ = sample(
+            work,
+            encoded,
+            max_new_tokens=max_new_tokens,
+            eos_ids=[tokenizer.eos_token_id],
+            pad_id=tokenizer.pad_token_id,
+            temperature=temperature,
+            n=samples,
+            generator=torch.Generator().manual_seed(0),
+        )
         generate = time.perf_counter() - t0
         repeated = [p for p in encoded for _ in range(samples)]
         optimizer = torch.optim.AdamW(work.parameters(), lr=1e-5)
         size = len(responses) // minibatches
         t0 = time.perf_counter()
         for i in range(0, size * minibatches, size):
-            batch = collate(repeated[i:i + size], responses[i:i + size], tokenizer.pad_token_id)
+            batch = collate(repeated[i : i + size], responses[i : i + size], tokenizer.pad_token_id)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logp, _ = response_logprobs(work, batch)
             optimizer.zero_grad()
@@ -311,9 +393,12 @@ def update_seconds(model, tokenizer, task, prompts: int, samples: int, max_new_t
         train = time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads)
-    return {"shape": f"{prompts} prompts x {samples} samples, {minibatches} updates, 1 thread",
-            "generate_seconds": round(generate, 3), "train_seconds": round(train, 3),
-            "seconds_per_update": round((generate + train) / minibatches, 3)}
+    return {
+        "shape": f"{prompts} prompts x {samples} samples, {minibatches} updates, 1 thread",
+        "generate_seconds": round(generate, 3),
+        "train_seconds": round(train, 3),
+        "seconds_per_update": round((generate + train) / minibatches, 3),
+    }
 
 
 def error_histogram(model, tokenizer, task, max_new_tokens: int) -> dict:
@@ -368,8 +453,16 @@ def check_band(band: tuple[float, float], flag: str = "--band") -> None:
         raise SystemExit(f"{flag} {band[0]} {band[1]}: give LOW HIGH with 0 <= LOW <= HIGH <= 1")
 
 
-def train_into_band(model, optimizer, train_step, score, bands: dict[str, tuple[float, float]], max_steps: int,
-                    check_every: int, report=lambda step, scores: None) -> tuple[int, dict, list[dict]]:
+def train_into_band(
+    model,
+    optimizer,
+    train_step,
+    score,
+    bands: dict[str, tuple[float, float]],
+    max_steps: int,
+    check_every: int,
+    report=lambda step, scores: None,
+) -> tuple[int, dict, list[dict]]:
     """Call ``train_step(step)`` for step = 0, 1, ... and ``score()`` (a dict with a value for every name in
     ``bands``) after every ``check_every`` steps until a check has every value inside its band (inclusive); returns
     (steps taken, those scores, every check as {step, **scores}). A check with a value above its band restores
@@ -398,9 +491,11 @@ def train_into_band(model, optimizer, train_step, score, bands: dict[str, tuple[
         saved = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
     wanted = ", ".join(f"{k} in [{low}, {high}]" for k, (low, high) in bands.items())
     last = "; ".join(f"step {c['step']}: " + ", ".join(f"{k} {c[k]:.3f}" for k in bands) for c in checks[-4:])
-    raise SystemExit(f"the warm start never landed in its bands ({wanted}) within --max-steps {max_steps} (last "
-                     f"checks: {last}); raise --max-steps, widen --band / --sampled-band, or change "
-                     f"--learning-rate or --seed")
+    raise SystemExit(
+        f"the warm start never landed in its bands ({wanted}) within --max-steps {max_steps} (last "
+        f"checks: {last}); raise --max-steps, widen --band / --sampled-band, or change "
+        f"--learning-rate or --seed"
+    )
 
 
 def cpu_name() -> str:
@@ -421,10 +516,22 @@ if __name__ == "__main__":
     args = replace(args, **{k: v for k, v in defaults.items() if k != "name" and getattr(args, k) is None})
     if args.digits < 1:
         raise SystemExit(f"--digits must be >= 1, got {args.digits}")
-    if min(args.max_steps, args.check_every, args.batch_size, args.eval_size, args.eval_max_new_tokens,
-           args.stats_prompts, args.stats_samples) < 1:
-        raise SystemExit("--max-steps, --check-every, --batch-size, --eval-size, --eval-max-new-tokens, "
-                         "--stats-prompts and --stats-samples must be >= 1")
+    if (
+        min(
+            args.max_steps,
+            args.check_every,
+            args.batch_size,
+            args.eval_size,
+            args.eval_max_new_tokens,
+            args.stats_prompts,
+            args.stats_samples,
+        )
+        < 1
+    ):
+        raise SystemExit(
+            "--max-steps, --check-every, --batch-size, --eval-size, --eval-max-new-tokens, "
+            "--stats-prompts and --stats-samples must be >= 1"
+        )
     if args.learning_rate <= 0 or args.temperature <= 0:
         raise SystemExit(f"--learning-rate and --temperature must be > 0, got {args.learning_rate}, {args.temperature}")
     check_band(args.band)
@@ -433,22 +540,33 @@ if __name__ == "__main__":
 
     task = make_task(args.task, digits=args.digits, eval_size=args.eval_size, seed=args.seed)
     tokenizer = build_tokenizer()
-    config = build_config(tokenizer, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads,
-                          args.intermediate_size, args.max_position_embeddings)
+    config = build_config(
+        tokenizer,
+        args.hidden_size,
+        args.num_layers,
+        args.num_heads,
+        args.num_kv_heads,
+        args.intermediate_size,
+        args.max_position_embeddings,
+    )
     longest = max(len(encode_prompt(tokenizer, task.prompt(r))) for r in task.eval_rows)
     response = max(args.eval_max_new_tokens, *(len(target(r)) + 1 for r in task.eval_rows))
     if longest + response > config.max_position_embeddings:
-        raise SystemExit(f"--max-position-embeddings {config.max_position_embeddings} is too small for {args.task} "
-                         f"prompts of up to {longest} tokens plus responses of up to {response} tokens")
+        raise SystemExit(
+            f"--max-position-embeddings {config.max_position_embeddings} is too small for {args.task} "
+            f"prompts of up to {longest} tokens plus responses of up to {response} tokens"
+        )
     model = build_model(config, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[toy] {n_params / 1e6:.2f}M-parameter Llama ({args.num_layers} layers, hidden {args.hidden_size}), "
-          f"vocabulary {len(tokenizer)}; task {args.task}, --digits {args.digits}, prompts of up to {longest} tokens; "
-          f"batches of {args.batch_size} until, on {len(task.eval_rows)} held-out problems, the greedy accuracy is in "
-          f"[{args.band[0]}, {args.band[1]}] and the sampled one (temperature {args.temperature}) in "
-          f"[{args.sampled_band[0]}, {args.sampled_band[1]}] (at most {args.max_steps} steps) on "
-          f"{torch.get_num_threads()} threads",
-          flush=True)
+    print(
+        f"[toy] {n_params / 1e6:.2f}M-parameter Llama ({args.num_layers} layers, hidden {args.hidden_size}), "
+        f"vocabulary {len(tokenizer)}; task {args.task}, --digits {args.digits}, prompts of up to {longest} tokens; "
+        f"batches of {args.batch_size} until, on {len(task.eval_rows)} held-out problems, the greedy accuracy is in "
+        f"[{args.band[0]}, {args.band[1]}] and the sampled one (temperature {args.temperature}) in "
+        f"[{args.sampled_band[0]}, {args.sampled_band[1]}] (at most {args.max_steps} steps) on "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     model.train()
@@ -462,44 +580,92 @@ if __name__ == "__main__":
         losses[step + 1] = supervised_step(model, optimizer, batch, args.max_grad_norm)
 
     def score() -> dict:
-        return {"greedy": greedy_accuracy(model, tokenizer, task, args.eval_max_new_tokens),
-                "sampled": sampled_accuracy(model, tokenizer, task, args.eval_max_new_tokens, args.temperature)}
+        return {
+            "greedy": greedy_accuracy(model, tokenizer, task, args.eval_max_new_tokens),
+            "sampled": sampled_accuracy(model, tokenizer, task, args.eval_max_new_tokens, args.temperature),
+        }
 
     def report(step: int, scores: dict) -> None:
-        print(f"[toy] step {step}: loss {losses[step]:.4f}, greedy eval accuracy {scores['greedy']:.3f}, sampled "
-              f"{scores['sampled']:.3f} ({time.perf_counter() - t0:.1f}s)", flush=True)
+        print(
+            f"[toy] step {step}: loss {losses[step]:.4f}, greedy eval accuracy {scores['greedy']:.3f}, sampled "
+            f"{scores['sampled']:.3f} ({time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
 
-    steps, scores, checks = train_into_band(model, optimizer, train_step, score,
-                                            {"greedy": args.band, "sampled": args.sampled_band}, args.max_steps,
-                                            args.check_every, report)
+    steps, scores, checks = train_into_band(
+        model,
+        optimizer,
+        train_step,
+        score,
+        {"greedy": args.band, "sampled": args.sampled_band},
+        args.max_steps,
+        args.check_every,
+        report,
+    )
     seconds = time.perf_counter() - t0
-    print(f"[toy] warm start {seconds:.1f}s, {steps} steps; greedy eval accuracy {scores['greedy']:.3f}, sampled "
-          f"{scores['sampled']:.3f} on {len(task.eval_rows)} held-out problems", flush=True)
+    print(
+        f"[toy] warm start {seconds:.1f}s, {steps} steps; greedy eval accuracy {scores['greedy']:.3f}, sampled "
+        f"{scores['sampled']:.3f} on {len(task.eval_rows)} held-out problems",
+        flush=True,
+    )
 
     # what RL will meet: rollouts at the figures' temperature and budget, the speed of an update, where errors are
-    rollouts = rollout_stats(model, tokenizer, task, args.stats_prompts, args.stats_samples, args.eval_max_new_tokens,
-                             args.temperature, args.seed)
+    rollouts = rollout_stats(
+        model,
+        tokenizer,
+        task,
+        args.stats_prompts,
+        args.stats_samples,
+        args.eval_max_new_tokens,
+        args.temperature,
+        args.seed,
+    )
     speed = update_seconds(model, tokenizer, task, 16, 8, args.eval_max_new_tokens, args.temperature)
     errors = error_histogram(model, tokenizer, task, args.eval_max_new_tokens)
-    print(f"[toy] rollouts ({rollouts['samples']} at temperature {args.temperature}, {args.eval_max_new_tokens} new "
-          f"tokens): {rollouts['steps_mean']:.2f} steps per response, median {rollouts['tokens_median']:.0f} tokens, "
-          f"95th percentile {rollouts['tokens_p95']:.0f} ({rollouts['p95_over_median']:.2f}x), "
-          f"{100 * rollouts['truncated_frac']:.1f}% hit the budget, sampled accuracy {rollouts['accuracy']:.3f}",
-          flush=True)
-    print(f"[toy] one rollout batch of {speed['shape']}: generation {speed['generate_seconds']:.2f}s + training "
-          f"{speed['train_seconds']:.2f}s = {speed['seconds_per_update']:.2f}s per update", flush=True)
-    print(f"[toy] greedy errors: {errors['wrong']} of {errors['of']} wrong; first wrong step: "
-          + ", ".join(f"{k}: {v}" for k, v in errors["first_wrong_step"].items()), flush=True)
+    print(
+        f"[toy] rollouts ({rollouts['samples']} at temperature {args.temperature}, {args.eval_max_new_tokens} new "
+        f"tokens): {rollouts['steps_mean']:.2f} steps per response, median {rollouts['tokens_median']:.0f} tokens, "
+        f"95th percentile {rollouts['tokens_p95']:.0f} ({rollouts['p95_over_median']:.2f}x), "
+        f"{100 * rollouts['truncated_frac']:.1f}% hit the budget, sampled accuracy {rollouts['accuracy']:.3f}",
+        flush=True,
+    )
+    print(
+        f"[toy] one rollout batch of {speed['shape']}: generation {speed['generate_seconds']:.2f}s + training "
+        f"{speed['train_seconds']:.2f}s = {speed['seconds_per_update']:.2f}s per update",
+        flush=True,
+    )
+    print(
+        f"[toy] greedy errors: {errors['wrong']} of {errors['of']} wrong; first wrong step: "
+        + ", ".join(f"{k}: {v}" for k, v in errors["first_wrong_step"].items()),
+        flush=True,
+    )
     manifest = {
-        "task": args.task, "digits": args.digits, "steps": steps, "band": list(args.band),
-        "sampled_band": list(args.sampled_band), "warm_start_seconds": round(seconds, 2),
-        "eval_accuracy": scores["greedy"], "sampled_accuracy": scores["sampled"], "eval_size": len(task.eval_rows),
-        "eval_decoding": f"greedy, bf16 autocast, {args.eval_max_new_tokens} new tokens", "final_loss": losses[steps],
-        "rollouts": rollouts, "update_seconds": speed, "greedy_errors": errors,
-        "num_parameters": n_params, "vocab_size": len(tokenizer), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "machine": platform.machine(), "processor": cpu_name(), "checks": checks,
+        "task": args.task,
+        "digits": args.digits,
+        "steps": steps,
+        "band": list(args.band),
+        "sampled_band": list(args.sampled_band),
+        "warm_start_seconds": round(seconds, 2),
+        "eval_accuracy": scores["greedy"],
+        "sampled_accuracy": scores["sampled"],
+        "eval_size": len(task.eval_rows),
+        "eval_decoding": f"greedy, bf16 autocast, {args.eval_max_new_tokens} new tokens",
+        "final_loss": losses[steps],
+        "rollouts": rollouts,
+        "update_seconds": speed,
+        "greedy_errors": errors,
+        "num_parameters": n_params,
+        "vocab_size": len(tokenizer),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor": cpu_name(),
+        "checks": checks,
         "args": asdict(args),
     }
     out = save(model, tokenizer, manifest, out, args.overwrite)
-    print(f"[toy] saved {out}\n[toy] use it with: python algorithms/grpo.py --model {out} --task {args.task} "
-          f"--digits {args.digits} --max-new-tokens {args.eval_max_new_tokens}", flush=True)
+    print(
+        f"[toy] saved {out}\n[toy] use it with: python algorithms/grpo.py --model {out} --task {args.task} "
+        f"--digits {args.digits} --max-new-tokens {args.eval_max_new_tokens}",
+        flush=True,
+    )

@@ -22,16 +22,19 @@ if __name__ == "__main__":
     upd.set(title="(a) accuracy vs updates", xlabel="optimizer update", ylabel="greedy accuracy (%)")
     minutes = [dict(r, minutes=r["time/elapsed"] / 60) for r in rows if "time/elapsed" in r]
     plot_curves(wall, minutes, "estimator", "eval/accuracy", x="minutes", order=ORDER, scale=100)
-    wall.set(title="(b) accuracy vs wall-clock", xlabel="minutes (1 of 2 CPU cores per run)",
-             ylabel="greedy accuracy (%)")
+    wall.set(
+        title="(b) accuracy vs wall-clock", xlabel="minutes (1 of 2 CPU cores per run)", ylabel="greedy accuracy (%)"
+    )
     states = read_csv(os.path.join(HERE, "value_prediction_states.csv"))
     for key, label, marker in (("mc", "MC, K = 9", "o"), ("critic", "critic (20 updates)", "x")):
         err = sum(abs(s[key] - s["truth"]) for s in states) / len(states)
-        val.scatter([s["truth"] for s in states], [s[key] for s in states], s=14, marker=marker,
-                    label=f"{label}: MAE {err:.3f}")
+        val.scatter(
+            [s["truth"] for s in states], [s[key] for s in states], s=14, marker=marker, label=f"{label}: MAE {err:.3f}"
+        )
     val.plot([0, 1], [0, 1], color="gray", linestyle="--", linewidth=1)
-    val.set(title=f"(c) value estimates, {len(states)} states (135M model)", xlabel="truth (64 rollouts)",
-            ylabel="estimate")
+    val.set(
+        title=f"(c) value estimates, {len(states)} states (135M model)", xlabel="truth (64 rollouts)", ylabel="estimate"
+    )
     for ax in (upd, wall, val):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -44,7 +47,24 @@ if __name__ == "__main__":
     for e in ORDER:
         steps, mean = data[e][0], data[e][1]
         reach = next((s for s, m in zip(steps, mean) if m >= peak_critic), None)
-        table.append([e, pm(final[e]), f"{max(mean) * 100:.1f}", f"{clock[e][1][-1] / 60:.1f}",
-                      reach if reach is not None else "not reached"])
-    print(markdown_table(["estimator", "final accuracy (%)", "peak mean accuracy (%)", "wall-clock (min)",
-                          "first update at the critic's peak"], table))
+        table.append(
+            [
+                e,
+                pm(final[e]),
+                f"{max(mean) * 100:.1f}",
+                f"{clock[e][1][-1] / 60:.1f}",
+                reach if reach is not None else "not reached",
+            ]
+        )
+    print(
+        markdown_table(
+            [
+                "estimator",
+                "final accuracy (%)",
+                "peak mean accuracy (%)",
+                "wall-clock (min)",
+                "first update at the critic's peak",
+            ],
+            table,
+        )
+    )

@@ -20,8 +20,15 @@ import tyro
 from sweep import Job, SweepArgs, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KEYS = ["eval/accuracy", "charts/reward_mean", "losses/entropy", "losses/clipfrac", "vineppo/mc_time_frac",
-        "vineppo/value_std", "vineppo/nonzero_adv_frac"]
+KEYS = [
+    "eval/accuracy",
+    "charts/reward_mean",
+    "losses/entropy",
+    "losses/clipfrac",
+    "vineppo/mc_time_frac",
+    "vineppo/value_std",
+    "vineppo/nonzero_adv_frac",
+]
 
 
 @dataclass
@@ -32,8 +39,11 @@ class Args(SweepArgs):
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
     return [toy_job(models, args, "vineppo", 0, seed, {"estimator": "MC (VinePPO)"}) for seed in args.seeds] + [
-        toy_job(models, args, "vineppo", 0, seed, {"estimator": "critic (PPO)"}, ("--value-estimator", "critic"),
-                "critic") for seed in args.seeds]
+        toy_job(
+            models, args, "vineppo", 0, seed, {"estimator": "critic (PPO)"}, ("--value-estimator", "critic"), "critic"
+        )
+        for seed in args.seeds
+    ]
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "algorithms"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "algorithms")
+)
 
 import numpy as np
 import torch
@@ -55,7 +56,8 @@ def pearson(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def ranking_accuracy(est: np.ndarray, truth: np.ndarray, group: np.ndarray, min_gap: float) -> tuple[float, int]:
-    """Fraction of same-group pairs with |truth_i - truth_j| >= min_gap that ``est`` orders like the truth (ties 1/2)."""
+    """Fraction of same-group pairs with |truth_i - truth_j| >= min_gap that ``est`` orders like the truth (ties
+    1/2)."""
     hits, n = 0.0, 0
     for i in range(len(est)):
         for j in range(i + 1, len(est)):
@@ -74,8 +76,10 @@ if __name__ == "__main__":
         raise SystemExit(f"--fractions must lie strictly between 0 and 1, got {args.fractions}")
     ckpt = load_checkpoint(args.checkpoint)
     if ckpt.get("critic") is None:
-        raise SystemExit(f"--checkpoint {args.checkpoint}: no critic in it; pass a checkpoint of "
-                         f"`vineppo.py --value-estimator critic`")
+        raise SystemExit(
+            f"--checkpoint {args.checkpoint}: no critic in it; pass a checkpoint of "
+            f"`vineppo.py --value-estimator critic`"
+        )
     run = ckpt["args"]
     torch.manual_seed(args.seed)
     t_start = time.time()
@@ -89,13 +93,25 @@ if __name__ == "__main__":
     critic.eval()
     gen_eos = policy.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
-    engine = HFEngine(policy, eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, dtype=getattr(torch, run["engine_dtype"]),
-                      max_batch=args.gen_batch_size)
-    task = make_task(run["task"], digits=run["digits"], data_path=run["data_path"], eval_task=run["eval_task"],
-                     eval_data_path=run["eval_data_path"], eval_size=run["eval_size"],
-                     prompt_template=run["prompt_template"], seed=run["seed"])
+    engine = HFEngine(
+        policy,
+        eos_ids=eos_ids,
+        pad_id=tokenizer.pad_token_id,
+        dtype=getattr(torch, run["engine_dtype"]),
+        max_batch=args.gen_batch_size,
+    )
+    task = make_task(
+        run["task"],
+        digits=run["digits"],
+        data_path=run["data_path"],
+        eval_task=run["eval_task"],
+        eval_data_path=run["eval_data_path"],
+        eval_size=run["eval_size"],
+        prompt_template=run["prompt_template"],
+        seed=run["seed"],
+    )
     chat = task.chat if run["chat_template"] is None else run["chat_template"]
-    rows = task.eval_rows[:args.num_prompts]
+    rows = task.eval_rows[: args.num_prompts]
     prompts = [encode_prompt(tokenizer, task.prompt(r), chat) for r in rows]
     T = run["max_new_tokens"]
     sampling = dict(temperature=run["temperature"], top_p=run["top_p"])
@@ -110,15 +126,21 @@ if __name__ == "__main__":
             if b == 0 or 0 < b < n_visible:
                 states.setdefault((g, tuple(resp[:b])), (g, resp, b))
     keys = list(states)
-    print(f"{len(keys)} states from {len(rows)} problems x {args.responses_per_prompt} sampled responses "
-          f"(policy of update {ckpt['update']}, temperature {run['temperature']})", flush=True)
+    print(
+        f"{len(keys)} states from {len(rows)} problems x {args.responses_per_prompt} sampled responses "
+        f"(policy of update {ckpt['update']}, temperature {run['temperature']})",
+        flush=True,
+    )
 
-    # ---------------------------------------------------------------- truth and the MC estimate (same policy, fresh seeds)
+    # ------------------------------------------------------------- truth and the MC estimate (same policy, fresh seeds)
     def rollout_values(K: int, seed: int) -> np.ndarray:
-        gen = lambda p, n, budget: [(o["response"], o["truncated"])
-                                    for o in engine.generate(p, n=n, max_new_tokens=budget, seed=seed, **sampling)]
-        score = lambda j, c: task.reward(tokenizer.decode(list(keys[j][1]) + c, skip_special_tokens=True),
-                                         rows[keys[j][0]])
+        gen = lambda p, n, budget: [
+            (o["response"], o["truncated"])
+            for o in engine.generate(p, n=n, max_new_tokens=budget, seed=seed, **sampling)
+        ]
+        score = lambda j, c: task.reward(
+            tokenizer.decode(list(keys[j][1]) + c, skip_special_tokens=True), rows[keys[j][0]]
+        )
         return np.array(mc_values([(prompts[g] + list(r), T - len(r)) for g, r in keys], K, gen, score))
 
     t0 = time.time()
@@ -133,9 +155,11 @@ if __name__ == "__main__":
     crit = np.zeros(len(keys))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=run["bf16"]):
         for i in range(0, len(keys), 32):
-            chunk = [states[key] for key in keys[i:i + 32]]
-            v = critic(collate([prompts[g] for g, _, _ in chunk], [resp for _, resp, _ in chunk], tokenizer.pad_token_id))
-            crit[i:i + 32] = [v[j, b].item() for j, (_, _, b) in enumerate(chunk)]
+            chunk = [states[key] for key in keys[i : i + 32]]
+            v = critic(
+                collate([prompts[g] for g, _, _ in chunk], [resp for _, resp, _ in chunk], tokenizer.pad_token_id)
+            )
+            crit[i : i + 32] = [v[j, b].item() for j, (_, _, b) in enumerate(chunk)]
     t_critic = time.time() - t0
 
     # ---------------------------------------------------------------- the table
@@ -143,23 +167,39 @@ if __name__ == "__main__":
     constant = np.full(len(keys), truth.mean())
     se = np.sqrt(truth * (1 - truth) / args.truth_samples).mean()
     table = []
-    for name, est in ((f"MC, K={args.mc_samples}", mc), (f"critic (update {ckpt['update']})", crit),
-                      ("constant (mean truth)", constant)):
+    for name, est in (
+        (f"MC, K={args.mc_samples}", mc),
+        (f"critic (update {ckpt['update']})", crit),
+        ("constant (mean truth)", constant),
+    ):
         acc, n_pairs = ranking_accuracy(est, truth, group, args.min_gap)
-        table.append(dict(estimator=name, mae=float(np.abs(est - truth).mean()), pearson=pearson(est, truth),
-                          ranking_accuracy=acc, pairs=n_pairs, states=len(keys)))
-    print(f"\ntruth: {args.truth_samples} rollouts per state, mean {truth.mean():.3f}, std {truth.std():.3f}, mean "
-          f"standard error {se:.3f}; states {len(keys)} from {len(rows)} problems; {time.time() - t_start:.0f}s "
-          f"(truth {t_truth:.0f}s, MC {t_mc:.0f}s, critic {t_critic:.1f}s)")
+        table.append(
+            dict(
+                estimator=name,
+                mae=float(np.abs(est - truth).mean()),
+                pearson=pearson(est, truth),
+                ranking_accuracy=acc,
+                pairs=n_pairs,
+                states=len(keys),
+            )
+        )
+    print(
+        f"\ntruth: {args.truth_samples} rollouts per state, mean {truth.mean():.3f}, std {truth.std():.3f}, mean "
+        f"standard error {se:.3f}; states {len(keys)} from {len(rows)} problems; {time.time() - t_start:.0f}s "
+        f"(truth {t_truth:.0f}s, MC {t_mc:.0f}s, critic {t_critic:.1f}s)"
+    )
     print(f"{'estimator':<24} {'MAE':>7} {'Pearson r':>10} {'ranking acc':>12} {'pairs':>6}")
     for r in table:
-        print(f"{r['estimator']:<24} {r['mae']:>7.3f} {r['pearson']:>10.3f} {r['ranking_accuracy']:>12.3f} {r['pairs']:>6}")
+        print(
+            f"{r['estimator']:<24} {r['mae']:>7.3f} {r['pearson']:>10.3f} {r['ranking_accuracy']:>12.3f} "
+            f"{r['pairs']:>6}"
+        )
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "value_prediction.csv")
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(table[0]))
         w.writeheader()
         w.writerows(table)
-    states_out = out[:-len(".csv")] + "_states.csv" if out.endswith(".csv") else out + "_states.csv"
+    states_out = out[: -len(".csv")] + "_states.csv" if out.endswith(".csv") else out + "_states.csv"
     with open(states_out, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["problem", "b", "prefix", "truth", "mc", "critic"])
