@@ -50,6 +50,9 @@ class Args:
     """log to Weights & Biases (otherwise metrics go to runs/<run_name>/metrics.jsonl only)"""
     cuda: bool = True
     """train on CUDA when available: one GPU per trainer rank (torchrun: cuda:LOCAL_RANK); else on CPUs"""
+    dist_timeout_minutes: float = 120.0
+    """torchrun: how long a rank waits in a collective before the run fails (the other ranks wait for rank 0 while
+    it generates a batch, starts vLLM or writes a checkpoint)"""
     wandb_project: str = "asyncrl"
     """the wandb project name"""
     model: str = "default"
@@ -278,7 +281,7 @@ def default_eval_every(total_updates: int) -> int:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    rank, world, device = init_distributed(args.cuda)  # torchrun: one trainer process per rank; else rank 0 of 1
+    rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
     print0 = print if rank == 0 else lambda *a, **k: None  # rank 0 logs
     # ---------------------------------------------------------------- shared plumbing: checks and setup
     if args.staleness < 0:

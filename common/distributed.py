@@ -6,6 +6,7 @@ Under ``torchrun --nproc-per-node N`` each rank is one trainer process (one GPU 
 with gloo); rank 0 also owns the rollout engine, the rollout queue, logging and checkpoints.
 """
 
+import datetime
 import os
 import sys
 import types
@@ -15,9 +16,13 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed(cuda: bool = True) -> tuple[int, int, torch.device]:
+def init_distributed(cuda: bool = True, timeout_minutes: float = 120.0) -> tuple[int, int, torch.device]:
     """(rank, world size, device) of this process. Under torchrun (``WORLD_SIZE`` > 1) it joins the process group:
-    NCCL with one GPU per rank (``cuda:LOCAL_RANK``) when CUDA is available and ``cuda``, gloo on CPUs."""
+    NCCL with one GPU per rank (``cuda:LOCAL_RANK``) when CUDA is available and ``cuda``, gloo on CPUs, with
+    collectives that fail after ``timeout_minutes`` (torch's 10-minute NCCL default is shorter than a long rollout
+    batch, a vLLM start or a large checkpoint, which the other ranks wait for in a collective)."""
+    if not timeout_minutes > 0:
+        raise SystemExit(f"--dist-timeout-minutes must be > 0, got {timeout_minutes}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = cuda and torch.cuda.is_available()
@@ -30,7 +35,11 @@ def init_distributed(cuda: bool = True) -> tuple[int, int, torch.device]:
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            device_id=device if use_cuda else None,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
     return (dist.get_rank() if world > 1 else 0), world, device
 
 

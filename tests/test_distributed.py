@@ -206,6 +206,16 @@ def runs_of(cwd, name):
 
 
 # ---------------------------------------------------------------- the helpers in one process (world of 1)
+
+
+@pytest.mark.unit
+def test_one_process_is_rank_0_of_1_and_a_bad_timeout_is_refused(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed(cuda=False, timeout_minutes=5) == (0, 1, torch.device("cpu"))
+    with pytest.raises(SystemExit, match="--dist-timeout-minutes must be > 0, got 0"):
+        init_distributed(cuda=False, timeout_minutes=0)
+
+
 def test_one_process_helpers_pass_through(tiny_model_path):
     assert init_distributed(cuda=False) == (0, 1, torch.device("cpu"))
     model = load_model(tiny_model_path)
