@@ -158,7 +158,7 @@ def test_sync_moves_the_engine_and_skipping_it_shows(setup):
         after = engine.generate(prompts, n=4, max_new_tokens=8, temperature=T, seed=2)
         synced, synced_max = logprob_gap(policy, tok, prompts, after, 4)
         assert after[0]["version"] == 7 and engine.version == 7
-        assert skipped > 0.1 and synced_max < 1e-4, (skipped, synced_max)
+        assert skipped > 0.03 and synced_max < 1e-4, (skipped, synced_max)  # stale: >= 300x the synced gap
         assert [o["response"] for o in after] != [o["response"] for o in before]
         # the embedding alone: its tied LM head on the CPU backend must follow too
         with torch.no_grad():
@@ -261,7 +261,7 @@ def test_grpo_with_vllm_staleness_and_resume(tiny_vllm_model_path, tmp_path):
             str(out),
             cwd=tmp_path,
         )
-        assert "checkpoint" not in proc.stdout  # the model folder, not a checkpoint on its base model
+        assert f"[eval] model {tmp_path / 'runs' / 'v' / 'model'}" in proc.stdout  # the folder, not a checkpoint
         texts[engine] = [json.loads(line)["response"] for line in open(out.with_suffix(".samples.jsonl"))]
     assert texts["vllm"] == texts["hf"]
     assert "eval/accuracy" in rows[-1]
