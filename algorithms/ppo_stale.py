@@ -492,7 +492,7 @@ if __name__ == "__main__":
         )
     else:
         print0(run_plan(args.total_updates, U, s), flush=True)
-    if eta is None and 0 < s and args.total_updates <= (s // U + 1) * U:
+    if 0 < s and args.total_updates <= (s // U + 1) * U:  # (bounded mode has s = 0)
         print0(
             f"WARNING: --total-updates {args.total_updates} with --staleness {s}: every update trains on the "
             f"initial policy's rollouts, the lag is never reached; pass --total-updates > {(s // U + 1) * U} (or "
