@@ -1,0 +1,77 @@
+"""Command-line parsing of a script's flat ``Args`` dataclass, with ``--help`` in groups.
+
+Groups are declared in the class body by comment headers: a line ``# --- Title`` starts a group holding every
+field after it, up to the next header; fields above the first header are listed ungrouped, at the top. Two title
+prefixes set a group apart:
+
+- ``# --- hidden: ...``: the fields stay settable from the command line but are left out of ``--help`` (test hooks);
+- ``# --- derived: ...``: the fields are neither settable nor shown and keep their defaults (filled in at runtime).
+
+Flag names, parsed values and errors are those of ``tyro.cli(cls)``; each field's docstring is its help text, and a
+docstring that states its own ``(default: ...)`` gets no second one from tyro.
+"""
+
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+import typing
+from typing import Annotated
+
+import tyro
+
+
+def _docs_and_titles(cls) -> dict[str, tuple[str, str | None]]:
+    """Each field of ``cls`` (by name) -> (the title of its group, "" above the first header; its docstring), read
+    from the class's source."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = [line.strip() for line in source.splitlines()]
+    headers = [(i, line[5:].strip()) for i, line in enumerate(lines, 1) if line.startswith("# ---")]
+    body = ast.parse(source).body[0].body
+    out = {}
+    for node, after in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            doc = after.value.value if is_doc and isinstance(after.value.value, str) else None
+            title = ([""] + [t for i, t in headers if i < node.lineno])[-1]
+            out[node.target.id] = (title, doc)
+    return out
+
+
+def _field(f: dataclasses.Field, typ, doc: str | None, *markers) -> tuple:
+    """A make_dataclass field spec for ``f`` with its docstring as help (one line, as tyro shows docstrings)."""
+    help = " ".join(doc.split()) if doc else None
+    hint = "" if help and "(default:" in help else None  # the docstring already says it: no "(default: ...)" twice
+    typ = Annotated[typ, tyro.conf.arg(help=help, help_behavior_hint=hint), *markers]
+    return f.name, typ, dataclasses.field(default=f.default, default_factory=f.default_factory)
+
+
+def parse(cls, description: str, argv: list[str] | None = None):
+    """Parse ``argv`` (default: sys.argv[1:]) into the flat dataclass ``cls`` as ``tyro.cli(cls)`` does, with
+    ``--help`` showing ``description`` and the fields in the groups of the class body (module docstring)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    asks_help = bool({"-h", "--help"} & set(argv))
+    docs, types = _docs_and_titles(cls), typing.get_type_hints(cls, include_extras=True)
+    top, groups = [], {}
+    for f in (f for f in dataclasses.fields(cls) if f.init):
+        title, doc = docs.get(f.name, ("", None))
+        hide = title.startswith("derived:") or (asks_help and title.startswith("hidden:"))
+        spec = _field(f, types[f.name], doc, *([tyro.conf.Suppress] if hide else []))
+        (groups.setdefault(title, []) if title else top).append(spec)
+    nested = [
+        (
+            f"group_{i}",
+            Annotated[
+                dataclasses.make_dataclass(f"Group{i}", specs), tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=title)
+            ],
+        )
+        for i, (title, specs) in enumerate(groups.items())
+    ]
+    parsed = tyro.cli(
+        dataclasses.make_dataclass(cls.__name__, top + nested, kw_only=True), args=argv, description=description
+    )
+    values = {name: getattr(parsed, name) for name, *_ in top}
+    for name, _ in nested:
+        values.update(vars(getattr(parsed, name)))
+    return cls(**values)

@@ -1,0 +1,134 @@
+"""common/cli.py: grouped --help over a flat Args dataclass, parsing exactly as tyro.cli on the flat class."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+import tyro
+
+from common.cli import parse
+
+pytestmark = pytest.mark.unit
+
+DESCRIPTION = "Toy GRPO: the first paragraph of the script's docstring."
+
+
+@dataclass
+class Args:
+    """A flat dataclass with the variety of field types of algorithms/grpo.py's Args."""
+
+    exp_name: str = "toy"
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+
+    # --- Run and logging
+    run_name: str | None = None
+    """run folder name under runs/ (default: <task>__<exp_name>__<seed>__<unix time>)"""
+    cuda: bool = True
+    """train on CUDA when available"""
+    chat_template: bool | None = None
+    """wrap prompts in the chat template (default: as the prompt template prescribes)"""
+
+    # --- Rollouts and optimisation
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine"""
+    total_updates: int | None = None
+    """optimizer updates to train for (default: 40; with --staleness s, the FIFO warm-up, about s updates, then 40
+    at the full lag)"""
+    learning_rate: float = 3e-6
+    """AdamW learning rate"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """loss aggregation over tokens"""
+
+    # --- hidden: test hooks
+    debug_interrupt_at: int = -1
+    """fault injection for tests: behave as if Ctrl-C arrived right after this update"""
+    debug_nonfinite_at: tuple[int, ...] = ()
+    """fault injection for tests: these updates get a NaN gradient"""
+
+    # --- derived: filled in at runtime
+    batch_size: int = 0
+    """samples per rollout batch"""
+    minibatch_size: int = 0
+    """samples per optimizer update"""
+
+
+def outcome(fn, argv, capsys):
+    """(the parsed value or the exit code, what was printed) of ``fn(argv)``."""
+    try:
+        value = fn(argv)
+    except SystemExit as e:
+        value = ("exit", e.code)
+    out = capsys.readouterr()
+    return value, out.out + out.err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--seed", "7", "--exp-name", "x", "--run-name", "r"],
+        ["--no-cuda", "--chat-template", "True", "--run-name", "None"],
+        ["--cuda", "--chat-template", "None", "--total-updates", "12", "--learning-rate", "1e-4"],
+        ["--engine", "vllm", "--loss-agg", "seq-mean-token-mean", "--total-updates", "None"],
+        ["--debug-nonfinite-at", "1", "2", "--debug-interrupt-at", "3"],
+        ["--learning-rate=2e-5", "--debug-nonfinite-at"],
+    ],
+)
+def test_same_values_as_tyro(argv, capsys):
+    assert parse(Args, DESCRIPTION, argv) == tyro.cli(Args, args=argv)
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--seed", "x"],
+        ["--engine", "tpu"],
+        ["--learning-rate"],
+        ["--lerning-rate", "3"],
+        ["--cuda", "1"],
+        ["--chat-template", "maybe"],
+        ["--debug-nonfinite-at", "a"],
+        ["--debug-interupt-at", "3"],
+        ["positional"],
+    ],
+)
+def test_same_errors_as_tyro(argv, capsys):
+    ours = outcome(lambda a: parse(Args, DESCRIPTION, a), argv, capsys)
+    expected = outcome(lambda a: tyro.cli(Args, args=a), argv, capsys)
+    assert expected[0] == ("exit", 2)
+    assert ours == expected
+
+
+def test_empty_argv_gives_the_defaults():
+    assert parse(Args, DESCRIPTION, []) == Args()
+
+
+def test_help_shows_description_groups_and_each_default_once(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    value, text = outcome(lambda a: parse(Args, DESCRIPTION, a), ["--help"], capsys)
+    assert value == ("exit", 0)
+    assert DESCRIPTION in text
+    assert text.index("--seed") < text.index("Run and logging") < text.index("--run-name")
+    assert text.index("--cuda") < text.index("Rollouts and optimisation") < text.index("--engine")
+    for hidden in ("debug", "test hooks", "batch-size", "minibatch", "derived"):
+        assert hidden not in text
+    shown = ["exp-name", "seed", "run-name", "cuda", "chat-template", "engine", "total-updates", "learning-rate"]
+    assert text.count("(default:") == len(shown + ["loss-agg"])
+    assert text.count("(default: <task>__") == text.count("(default: as the prompt") == 1
+    assert "(default: 40;" in text and "(default: None)" not in text
+
+
+def test_test_hooks_stay_settable():
+    args = parse(Args, DESCRIPTION, ["--debug-nonfinite-at", "1", "2", "--debug-interrupt-at", "5"])
+    assert (args.debug_nonfinite_at, args.debug_interrupt_at) == ((1, 2), 5)
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--minibatch-size"])
+def test_derived_fields_are_not_settable(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(Args, DESCRIPTION, [flag, "4"])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
