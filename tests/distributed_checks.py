@@ -12,7 +12,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.batching import collate, response_logprobs
 from common.distributed import (
     all_ranks,
     barrier,
@@ -27,6 +26,7 @@ from common.distributed import (
     shutdown,
 )
 from common.engine import HFEngine, sample, weight_payload
+from common.logprobs import collate, response_logprobs
 from common.models import load_model
 
 

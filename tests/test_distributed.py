@@ -26,9 +26,9 @@ from common.distributed import (
     shard_model,
     shutdown,
 )
-from common.engine import engine_gpus
 from common.models import load_model
 from common.tracking import read_metrics
+from common.vllm_engine import engine_gpus
 from conftest import ROOT, assert_same_run_across_ranks, run_script, run_torchrun
 
 PRECISE = ["--no-bf16", "--engine-dtype", "float32"]

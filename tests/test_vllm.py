@@ -10,11 +10,12 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from common.batching import collate, pad_float, response_logprobs  # noqa: E402
-from common.engine import VLLMEngine, make_engine, weight_payload  # noqa: E402
+from common.engine import make_engine, weight_payload  # noqa: E402
+from common.logprobs import collate, pad_float, response_logprobs  # noqa: E402
 from common.models import load_model, load_tokenizer  # noqa: E402
 from common.tasks import encode_prompt  # noqa: E402
 from common.tracking import read_metrics  # noqa: E402
+from common.vllm_engine import VLLMEngine  # noqa: E402
 from conftest import FAST as HF_FAST  # noqa: E402
 from conftest import ROOT, assert_same_run_across_ranks, run_script, run_torchrun  # noqa: E402
 

@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 import tyro
 
-from common.batching import collate, pad_float, response_logprobs
 from common.engine import HFEngine
+from common.logprobs import collate, pad_float, response_logprobs
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import tyro
 
-from common.batching import collate
 from common.checkpoint import load_checkpoint
 from common.engine import HFEngine
+from common.logprobs import collate
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
 from vineppo import Critic, mc_values
@@ -134,13 +134,15 @@ if __name__ == "__main__":
 
     # ------------------------------------------------------------- truth and the MC estimate (same policy, fresh seeds)
     def rollout_values(K: int, seed: int) -> np.ndarray:
-        gen = lambda p, n, budget: [
-            (o["response"], o["truncated"])
-            for o in engine.generate(p, n=n, max_new_tokens=budget, seed=seed, **sampling)
-        ]
-        score = lambda j, c: task.reward(
-            tokenizer.decode(list(keys[j][1]) + c, skip_special_tokens=True), rows[keys[j][0]]
-        )
+        def gen(p, n, budget):
+            return [
+                (o["response"], o["truncated"])
+                for o in engine.generate(p, n=n, max_new_tokens=budget, seed=seed, **sampling)
+            ]
+
+        def score(j, c):
+            return task.reward(tokenizer.decode(list(keys[j][1]) + c, skip_special_tokens=True), rows[keys[j][0]])
+
         return np.array(mc_values([(prompts[g] + list(r), T - len(r)) for g, r in keys], K, gen, score))
 
     t0 = time.time()
