@@ -75,6 +75,7 @@ class Tracker:
                 name=run_name or self.run_dir.name,
                 config=config,
                 dir=str(self.run_dir),
+                save_code=True,  # the tracked run keeps the script that produced it
                 mode=os.environ.get("WANDB_MODE", "online"),
             )
         self.start = time.time()

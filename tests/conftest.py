@@ -28,7 +28,7 @@ def warm_start(model, tok, steps: int = 60):
     within groups and the RL tests exercise real gradients (it stays far from accurate)."""
     import random
 
-    from common.batching import collate, response_logprobs
+    from common.logprobs import collate, response_logprobs
     from common.tasks import encode_prompt
 
     rng = random.Random(0)
@@ -207,7 +207,10 @@ FAST = [
     "--eval-every",
     "2",
 ]
-NOT_TIMING = lambda k: not (k.startswith("time/") or k.endswith("tokens_per_sec") or k == "async/queue_size")
+
+
+def not_timing(k):
+    return not (k.startswith("time/") or k.endswith("tokens_per_sec") or k == "async/queue_size")
 
 
 def metrics_of(cwd, name):
@@ -215,7 +218,7 @@ def metrics_of(cwd, name):
 
 
 def comparable(rows):
-    return [{k: v for k, v in r.items() if NOT_TIMING(k)} for r in rows]
+    return [{k: v for k, v in r.items() if not_timing(k)} for r in rows]
 
 
 def assert_same_run(a, b):
