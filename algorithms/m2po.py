@@ -358,8 +358,7 @@ if __name__ == "__main__":
     args = parse(Args, __doc__.split("\n\n")[0])
     rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
 
-    def print0(*a, **k):
-        """print on rank 0 only (it logs for all ranks)"""
+    def print0(*a, **k):  # rank 0 logs for all ranks
         if rank == 0:
             print(*a, **k)
 
@@ -570,10 +569,7 @@ if __name__ == "__main__":
                 batch = dict(k=k, version=engine.version, prompts=prompts, outs=outs, rewards=rewards)
                 rollout_q.put(dict(batch, gen_time=gen_time, producer_wait=producer_wait, weight_sync=sync_time))
                 if s > 0 and batch_version(k, U, s) == 0:  # FIFO warm-up: the initial policy's batches, ahead
-                    print(
-                        f"filling: batch {k + 1} of {fill_batches} (initial-policy rollouts, {gen_time:.1f}s)",
-                        flush=True,
-                    )
+                    print(f"filling: batch {k + 1} of {fill_batches} (initial policy, {gen_time:.1f}s)", flush=True)
                 producer_state["next_k"] = k + 1
         except BaseException as e:  # reaches the trainer, which ends the run with it
             producer_state["error"] = e
@@ -622,9 +618,8 @@ if __name__ == "__main__":
     # ---------------------------------------------------------------- shared plumbing: training loop (algorithm marked)
     def lr_at(v: int) -> float:
         """the learning rate of update v: linear warm-up over --warmup-updates, then constant"""
-        return (
-            args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
-        )
+        warm = min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else 1.0
+        return args.learning_rate * warm
 
     def trainer_get(q):
         """Wait for the producer, re-raising its error and honouring Ctrl-C, both without hanging."""

@@ -308,8 +308,7 @@ if __name__ == "__main__":
     args = parse(Args, __doc__.split("\n\n")[0])
     rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
 
-    def print0(*a, **k):
-        """print on rank 0 only (it logs for all ranks)"""
+    def print0(*a, **k):  # rank 0 logs for all ranks
         if rank == 0:
             print(*a, **k)
 
@@ -634,9 +633,8 @@ if __name__ == "__main__":
     # ---------------------------------------------------------------- shared plumbing: training loop (algorithm marked)
     def lr_at(v: int) -> float:
         """the learning rate of update v: linear warm-up over --warmup-updates, then constant"""
-        return (
-            args.learning_rate * min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else args.learning_rate
-        )
+        warm = min(1.0, (v + 1) / args.warmup_updates) if args.warmup_updates else 1.0
+        return args.learning_rate * warm
 
     def trainer_wait_for(ready):
         """Wait until ``ready()`` holds, re-raising the searcher's error and honouring Ctrl-C, both without hanging."""

@@ -82,7 +82,10 @@ def fake_generate(prefixes, n, max_new_tokens):
 
 def tree_values(responses, K=6, max_tokens=4):
     states = sorted({tuple(r[:b]) for r in responses for b in step_starts([TEXT[t] for t in r])})
-    reward = lambda j, c: float("".join(TEXT[t] for t in list(states[j]) + c).endswith("1"))
+
+    def reward(j, c):
+        return float("".join(TEXT[t] for t in list(states[j]) + c).endswith("1"))
+
     V = mc_values([(PROMPT + list(st), max_tokens - len(st)) for st in states], K, fake_generate, reward)
     return dict(zip(states, V))
 
@@ -97,13 +100,19 @@ def test_mc_values_of_a_known_tree():
 def test_unfinished_completions_score_the_unfinished_reward():
     """The authors score an MC rollout that hit the length limit with the unfinished-response reward (0), not with
     the verifier. From "a\n" the completions "1 EOS" / "2 EOS" take 2 tokens."""
-    reward = lambda j, c: float(c[0] == ONE)  # the verifier would say "1" is right, EOS or not
+
+    def reward(j, c):
+        return float(c[0] == ONE)  # the verifier would say "1" is right, EOS or not
+
     assert mc_values([(PROMPT + [A, NL], 2)], 6, fake_generate, reward) == pytest.approx([4 / 6])  # they fit
     # a budget of 1 (the trajectory's own limit, with a longer-budget state in the same call): "1" is cut, unfinished
     V = mc_values([(PROMPT + [A, NL], 1), (PROMPT, 4)], 6, fake_generate, lambda j, c: float(ONE in c))
     assert V == pytest.approx([UNFINISHED_REWARD, 1 / 3])
     # the engine's own truncation flag (a state at the longest budget) also makes a completion unfinished
-    cut = lambda prefixes, n, T: [([ONE], True)] * (n * len(prefixes))
+
+    def cut(prefixes, n, T):
+        return [([ONE], True)] * (n * len(prefixes))
+
     assert mc_values([(PROMPT, 1)], 3, cut, lambda j, c: 1.0) == [UNFINISHED_REWARD]
 
 
@@ -113,7 +122,10 @@ def test_each_state_is_held_to_its_own_budget_in_one_batched_call():
     R(s + c_k), a completion past the budget scoring UNFINISHED_REWARD). From the prompt every completion of the tree
     takes 4 tokens, from "a\n" 2 tokens."""
     states = [((), 3), ((A, NL), 2), ((), 4), ((A, NL), 1)]
-    reward = lambda j, c: float("".join(TEXT[t] for t in [*states[j][0], *c]).endswith("1"))
+
+    def reward(j, c):
+        return float("".join(TEXT[t] for t in [*states[j][0], *c]).endswith("1"))
+
     V = mc_values([(PROMPT + list(prefix), budget) for prefix, budget in states], 6, fake_generate, reward)
     assert V == pytest.approx([UNFINISHED_REWARD, 4 / 6, 2 / 6, UNFINISHED_REWARD])
 
@@ -175,7 +187,10 @@ def authors_step_advantages(n_steps: int, reward: float, mc_value, cap: int) -> 
 def test_step_cap_and_advantages_match_the_authors(n_steps, cap):
     """--max-steps is the authors' cap: with 25, states s_0 .. s_25 (26 states) get MC values, so on a response of
     >= 26 steps A_24 and A_25 use V(s_25)."""
-    mc_value = lambda i: round(0.1 + 0.8 * ((7 * i) % 11) / 10, 3)  # a distinct made-up estimate per state
+
+    def mc_value(i):
+        return round(0.1 + 0.8 * ((7 * i) % 11) / 10, 3)  # a distinct made-up estimate per state
+
     starts = list(range(0, 3 * n_steps, 3))  # step i starts at response token 3i
     estimated = mc_state_starts(starts, cap)
     assert len(estimated) == min(n_steps, cap + 1)
