@@ -43,8 +43,8 @@ import numpy as np
 import torch
 import tyro
 
-from common.batching import collate, response_logprobs
 from common.engine import sample
+from common.logprobs import collate, response_logprobs
 from common.models import cache_root
 from common.tasks import encode_prompt, make_task
 
@@ -227,7 +227,7 @@ def target(row: dict) -> str:
 
 
 def supervised_batch(task, tokenizer, rows: list[dict]) -> dict:
-    """[chat prompt | target + "</s>"] tensors of ``rows`` (``common.batching.collate``), the loss on the target."""
+    """[chat prompt | target + "</s>"] tensors of ``rows`` (``common.logprobs.collate``), the loss on the target."""
     prompts = [encode_prompt(tokenizer, task.prompt(r), task.chat) for r in rows]
     answers = [tokenizer(target(r), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
     return collate(prompts, answers, tokenizer.pad_token_id)
