@@ -6,6 +6,7 @@ import math
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,23 @@ def load_checkpoint(path: str | Path) -> dict:
         raise SystemExit(f"--resume {path}: no checkpoint there; pass a checkpoint.pt or its run folder.")
     # memory-mapped: a trainer rank that needs only the settings and counters does not read the tensors
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def resumed_args(args, ckpt: dict, argv: list[str] | None = None):
+    """The settings of a resumed run: the checkpoint's, except ``--resume`` and a ``--total-updates`` given on the
+    command line (``argv``, default ``sys.argv[1:]``), which trains the run further; a total at or below the
+    checkpoint's update is a SystemExit. ``args`` is the parsed command line (an instance of the script's Args)."""
+    argv = sys.argv[1:] if argv is None else argv
+    resumed = type(args)(**ckpt["args"])
+    resumed.resume = args.resume
+    if any(a.split("=")[0] == "--total-updates" for a in argv):
+        resumed.total_updates = args.total_updates
+    if resumed.total_updates <= ckpt["update"]:
+        raise SystemExit(
+            f"--resume: the checkpoint is at update {ckpt['update']}; pass --total-updates N with "
+            f"N > {ckpt['update']} to train further"
+        )
+    return resumed
 
 
 def resume_needs_current_weights(ckpt: dict, needed: dict[int, int]) -> bool:

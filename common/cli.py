@@ -75,3 +75,33 @@ def parse(cls, description: str, argv: list[str] | None = None):
     for name, _ in nested:
         values.update(vars(getattr(parsed, name)))
     return cls(**values)
+
+
+def check_shared_args(args, world: int) -> None:
+    """The checks of the settings every script shares, each failure a SystemExit that says what to change, and the
+    batch arithmetic they imply: fills ``args.batch_size`` (prompts x group size) and ``args.minibatch_size`` (the
+    samples of one optimizer update). The minibatch is cut into micro-batches of ``--micro-batch-size``, dealt out
+    to the ``world`` trainer ranks, so their number must be a multiple of ``world``."""
+    if args.staleness < 0:
+        raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
+    if args.checkpoint_minutes < 0:
+        raise SystemExit(f"--checkpoint-minutes must be >= 0 (0: no safety checkpoints), got {args.checkpoint_minutes}")
+    positive = ("prompts_per_batch", "updates_per_batch", "total_updates", "max_new_tokens", "micro_batch_size")
+    for name in (*positive, "eval_batch_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.batch_size = args.prompts_per_batch * args.group_size
+    if args.batch_size % args.updates_per_batch:
+        raise SystemExit(
+            f"batch of {args.prompts_per_batch} prompts x {args.group_size} samples = {args.batch_size} "
+            f"cannot be split into --updates-per-batch {args.updates_per_batch} equal minibatches; "
+            f"choose a divisor of {args.batch_size}"
+        )
+    args.minibatch_size = args.batch_size // args.updates_per_batch
+    n_micro = -(-args.minibatch_size // args.micro_batch_size)
+    if n_micro % world:
+        raise SystemExit(
+            f"a minibatch of {args.minibatch_size} samples makes {n_micro} micro-batches of "
+            f"--micro-batch-size {args.micro_batch_size}, which cannot be dealt evenly to {world} trainer "
+            f"ranks: choose --micro-batch-size M with ceil({args.minibatch_size} / M) a multiple of {world}"
+        )

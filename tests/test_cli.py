@@ -1,12 +1,14 @@
-"""common/cli.py: grouped --help over a flat Args dataclass, parsing exactly as tyro.cli on the flat class."""
+"""common/cli.py: grouped --help over a flat Args dataclass, parsing exactly as tyro.cli on the flat class; the checks
+of the shared settings."""
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal
 
 import pytest
 import tyro
 
-from common.cli import parse
+from common.cli import check_shared_args, parse
 
 pytestmark = pytest.mark.unit
 
@@ -132,3 +134,50 @@ def test_derived_fields_are_not_settable(flag, capsys):
         parse(Args, DESCRIPTION, [flag, "4"])
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ check_shared_args
+def shared(**changes) -> SimpleNamespace:
+    """The shared settings check_shared_args reads, at grpo.py's defaults unless changed."""
+    values = dict(
+        staleness=0,
+        checkpoint_minutes=30.0,
+        prompts_per_batch=16,
+        group_size=8,
+        updates_per_batch=4,
+        total_updates=40,
+        max_new_tokens=16,
+        micro_batch_size=16,
+        eval_batch_size=64,
+        batch_size=0,
+        minibatch_size=0,
+    )
+    return SimpleNamespace(**{**values, **changes})
+
+
+def test_check_shared_args_fills_the_batch_arithmetic():
+    args = shared()
+    check_shared_args(args, world=1)
+    assert (args.batch_size, args.minibatch_size) == (128, 32)
+    args = shared(micro_batch_size=8)  # 32 samples in 4 micro-batches, 2 per rank
+    check_shared_args(args, world=2)
+    assert (args.batch_size, args.minibatch_size) == (128, 32)
+
+
+@pytest.mark.parametrize(
+    "changes,world,message",
+    [
+        ({"staleness": -1}, 1, r"--staleness must be >= 0 \(updates of lag\), got -1"),
+        ({"checkpoint_minutes": -0.5}, 1, r"--checkpoint-minutes must be >= 0 .*got -0.5"),
+        ({"total_updates": 0}, 1, r"--total-updates must be >= 1, got 0"),
+        ({"micro_batch_size": 0}, 1, r"--micro-batch-size must be >= 1, got 0"),
+        ({"eval_batch_size": 0}, 1, r"--eval-batch-size must be >= 1, got 0"),
+        ({"updates_per_batch": 3}, 1, r"= 128 cannot be split into --updates-per-batch 3 .*a divisor of 128"),
+        # 32 samples in micro-batches of 16: 2 micro-batches cannot go to 3 ranks
+        ({}, 3, r"makes 2 micro-batches of --micro-batch-size 16, .*3 trainer ranks: .*ceil\(32 / M\) a multiple"),
+        ({"micro_batch_size": 12}, 2, r"makes 3 micro-batches"),  # ceil(32 / 12) = 3
+    ],
+)
+def test_check_shared_args_says_what_to_change(changes, world, message):
+    with pytest.raises(SystemExit, match=message):
+        check_shared_args(shared(**changes), world)
