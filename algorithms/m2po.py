@@ -35,26 +35,27 @@ from common.checkpoint import (
     NonFiniteGuard,
     load_checkpoint,
     resume_needs_current_weights,
+    resumed_args,
     rng_state,
     save_checkpoint,
     save_model,
     set_rng_state,
 )
-from common.cli import parse
+from common.cli import check_shared_args, parse
 from common.distributed import (
     all_ranks,
     barrier,
     broadcast,
     full_model_state,
     full_state_dicts,
-    gathered_params,
     init_distributed,
     load_full_state_dicts,
     merge_ranks,
     shard_model,
     shutdown,
 )
-from common.engine import make_engine, sample, weight_payload
+from common.engine import make_engine, weight_payload
+from common.evaluation import greedy_eval
 from common.logprobs import collate, pad_float, response_logprobs
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
@@ -140,6 +141,9 @@ class Args:
     eval_every: int | None = None
     """greedy evaluation every N updates (and at update 0 and the end); 0 disables it (default: 10, or about 8
     evaluations in a run longer than 80 updates)"""
+    eval_batch_size: int = 64
+    """prompts per greedy generation pass in evaluation; its KV cache sits beside the trainer's weights, so lower it
+    for long answers on a large model"""
     checkpoint_every: int = 0
     """save the full training state, runs/<run_name>/checkpoint.pt, every N updates (0: only on Ctrl-C/SIGTERM and
     by wall-clock); a run that finishes removes it unless --keep-final-state"""
@@ -362,10 +366,9 @@ if __name__ == "__main__":
         if rank == 0:
             print(*a, **k)
 
-    if args.staleness < 0:
-        raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
-    if args.checkpoint_minutes < 0:
-        raise SystemExit(f"--checkpoint-minutes must be >= 0 (0: no safety checkpoints), got {args.checkpoint_minutes}")
+    ckpt = load_checkpoint(args.resume) if args.resume else None
+    if ckpt is not None:  # the run's settings come from the checkpoint, except --total-updates when given
+        args = resumed_args(args, ckpt)
     if not args.tau > 0:
         raise SystemExit(f"--tau must be > 0 (the M2 threshold; the paper uses 0.04), got {args.tau}")
     if args.group_size < 2:
@@ -376,36 +379,7 @@ if __name__ == "__main__":
         args.total_updates = default_updates(args.staleness, args.updates_per_batch, 40)
     if args.eval_every is None:
         args.eval_every = default_eval_every(args.total_updates)
-    for name in ("prompts_per_batch", "updates_per_batch", "total_updates", "max_new_tokens", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    args.batch_size = args.prompts_per_batch * args.group_size
-    if args.batch_size % args.updates_per_batch:
-        raise SystemExit(
-            f"batch of {args.prompts_per_batch} prompts x {args.group_size} samples = {args.batch_size} "
-            f"cannot be split into --updates-per-batch {args.updates_per_batch} equal minibatches; "
-            f"choose a divisor of {args.batch_size}"
-        )
-    args.minibatch_size = args.batch_size // args.updates_per_batch
-    ckpt = load_checkpoint(args.resume) if args.resume else None
-    if ckpt is not None:  # the run's settings come from the checkpoint, except --total-updates when given
-        total_updates, resume_path = args.total_updates, args.resume
-        args = Args(**ckpt["args"])
-        if any(a.split("=")[0] == "--total-updates" for a in sys.argv[1:]):
-            args.total_updates = total_updates
-        args.resume = resume_path
-        if args.total_updates <= ckpt["update"]:
-            raise SystemExit(
-                f"--resume: the checkpoint is at update {ckpt['update']}; pass --total-updates N with "
-                f"N > {ckpt['update']} to train further"
-            )
-    n_micro = -(-args.minibatch_size // args.micro_batch_size)  # micro-batches per update, dealt out to the ranks
-    if n_micro % world:
-        raise SystemExit(
-            f"a minibatch of {args.minibatch_size} samples makes {n_micro} micro-batches of "
-            f"--micro-batch-size {args.micro_batch_size}, which cannot be dealt evenly to {world} trainer "
-            f"ranks: choose --micro-batch-size M with ceil({args.minibatch_size} / M) a multiple of {world}"
-        )
+    check_shared_args(args, world)  # the batch arithmetic: fills args.batch_size and args.minibatch_size
     run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     args.run_name = run_name
     run_dir = os.path.join("runs", run_name)
@@ -426,14 +400,14 @@ if __name__ == "__main__":
     chat = task.chat if args.chat_template is None else args.chat_template
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
-    policy = load_model(model_path).to(device)
+    policy = load_model(model_path, meta=rank != 0)  # rank 0: the weights, in CPU memory; the others: its shape
     policy.config.use_cache = False
     gen_eos = policy.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
     ref_model = None
     if args.kl_coef > 0:
-        ref_model = shard_model(load_model(model_path).to(device).eval().requires_grad_(False))
-    engine = None  # rank 0 owns the rollout engine (made from the full, not yet sharded, policy)
+        ref_model = shard_model(load_model(model_path, meta=rank != 0).eval().requires_grad_(False), device)
+    engine = None  # rank 0 owns the rollout engine (made from the full, not yet sharded, policy, on its device)
     if rank == 0:
         engine = make_engine(
             args.engine,
@@ -446,8 +420,9 @@ if __name__ == "__main__":
             seed=args.seed,
             kv_cache_gib=args.vllm_kv_cache_gib,
             gpus=args.vllm_gpus,
+            device=device,
         )
-    policy = shard_model(policy)  # FSDP2 over the trainer ranks (one process: unchanged)
+    policy = shard_model(policy, device)  # FSDP2 over the trainer ranks, from rank 0's weights (one process: moved)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     U, s = args.updates_per_batch, args.staleness
     num_batches = -(-args.total_updates // U)
@@ -472,6 +447,8 @@ if __name__ == "__main__":
     weights_q: queue.Queue = queue.Queue(maxsize=1)  # weight payloads (version, [(name, tensor)]) for the engine
     outbox: list = []  # weight payloads not yet handed to the engine
     stop, pause_req, paused = threading.Event(), threading.Event(), threading.Event()
+    handover = threading.Lock()  # the producer takes weights and hands over batches under it (final checkpoints)
+    loading: list = []  # the payload the engine is loading (taken from weights_q, not yet its version)
     producer_state = {"next_k": 0, "error": None}
     pending: list[dict] = []  # the batch the trainer is consuming (kept for checkpoints until its last minibatch)
     interrupted = threading.Event()  # Ctrl-C or SIGTERM (the notice a cluster sends before preemption)
@@ -531,19 +508,27 @@ if __name__ == "__main__":
                 continue
         return None
 
+    def take_payload(timeout: float = 0.05):
+        """The next weight payload from the trainer (queue.Empty if none within ``timeout`` s), kept in ``loading``
+        until the engine holds it: a final checkpoint, which does not wait for the producer, still keeps it."""
+        with handover:
+            loading[:] = [weights_q.get(timeout=timeout)]
+        return loading[0]
+
     def producer():
         try:
             while producer_state["next_k"] < num_batches:
                 k = producer_state["next_k"]
                 t0, sync_time = time.time(), 0.0
                 while engine.version < batch_version(k, U, s):  # weight sync: only the versions batches need
-                    item = wait_or_pause(lambda: weights_q.get(timeout=0.05))
+                    item = wait_or_pause(take_payload)
                     if item is None:
                         return
                     if item[0] > batch_version(k, U, s):
                         raise RuntimeError(f"batch {k} needs version {batch_version(k, U, s)}, got {item[0]}")
                     t1 = time.time()
                     engine.load_weights(item[1], item[0])
+                    loading.clear()
                     sync_time = time.time() - t1
                 if wait_or_pause(lambda: True) is None:  # a checkpoint may snapshot us here, between batches
                     return
@@ -567,10 +552,13 @@ if __name__ == "__main__":
                 texts = tokenizer.batch_decode([o["response"] for o in outs], skip_special_tokens=True)
                 rewards = [task.reward(t, rows[i // args.group_size]) for i, t in enumerate(texts)]
                 batch = dict(k=k, version=engine.version, prompts=prompts, outs=outs, rewards=rewards)
-                rollout_q.put(dict(batch, gen_time=gen_time, producer_wait=producer_wait, weight_sync=sync_time))
+                with handover:  # a final checkpoint sees this batch handed over (and counted), or not at all
+                    if stop.is_set():
+                        return
+                    rollout_q.put(dict(batch, gen_time=gen_time, producer_wait=producer_wait, weight_sync=sync_time))
+                    producer_state["next_k"] = k + 1
                 if s > 0 and batch_version(k, U, s) == 0:  # FIFO warm-up: the initial policy's batches, ahead
                     print(f"filling: batch {k + 1} of {fill_batches} (initial policy, {gen_time:.1f}s)", flush=True)
-                producer_state["next_k"] = k + 1
         except BaseException as e:  # reaches the trainer, which ends the run with it
             producer_state["error"] = e
 
@@ -587,33 +575,19 @@ if __name__ == "__main__":
     # ---------------------------------------------------------------- shared plumbing: evaluation
     eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
 
-    @torch.no_grad()
-    def evaluate(step: int) -> dict:
-        policy.eval()
-        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
-        responses, truncated = [], []
-        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
-            for i in range(lo, hi, args.gen_batch_size):
-                r, _, tr = sample(
-                    policy,
-                    eval_prompts[i : min(i + args.gen_batch_size, hi)],
-                    eos_ids=eos_ids,
-                    max_new_tokens=args.max_new_tokens,
-                    pad_id=tokenizer.pad_token_id,
-                    greedy=True,
-                    autocast=args.bf16,
-                )
-                responses += r
-                truncated += tr
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
-        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
-        policy.train()
-        return {
-            "eval/accuracy": float(np.mean(correct)),
-            "eval/truncated_frac": float(np.mean(truncated)),
-            "eval/response_length_mean": float(np.mean(lengths)),
-        }
+    def evaluate() -> dict:
+        """greedy decoding of the held-out problems with the trainer's weights, split over the ranks"""
+        return greedy_eval(
+            policy,
+            tokenizer,
+            eval_prompts,
+            task.eval_rows,
+            task.reward,
+            eos_ids=eos_ids,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.eval_batch_size,
+            autocast=args.bf16,
+        )
 
     # ---------------------------------------------------------------- shared plumbing: training loop (algorithm marked)
     def lr_at(v: int) -> float:
@@ -622,31 +596,40 @@ if __name__ == "__main__":
         return args.learning_rate * warm
 
     def trainer_get(q):
-        """Wait for the producer, re-raising its error and honouring Ctrl-C, both without hanging."""
+        """Wait for the producer, honouring Ctrl-C (None, which every rank then receives: they stop together) and
+        re-raising the producer's error, both without hanging. Ctrl-C comes first: it also stops a vLLM engine that
+        runs in its own processes, and the producer's error is then its consequence."""
         while True:
             while outbox and not weights_q.full():  # a resumed run may hold payloads the producer needs first
                 weights_q.put(outbox.pop(0))
+            if interrupted.is_set():
+                return None
             if producer_state["error"] is not None:
                 raise RuntimeError("rollout producer failed") from producer_state["error"]
-            if interrupted.is_set() and world == 1:  # several ranks stop together, after an update
-                raise KeyboardInterrupt
             try:
                 return q.get(timeout=0.05)
             except queue.Empty:
                 if not thread.is_alive() and q.empty() and producer_state["error"] is None:
                     raise RuntimeError("rollout producer exited without producing the batch the trainer needs")
 
-    def save(update: int) -> None:
+    def save(update: int, final: bool = False) -> None:
         """Write runs/<run_name>/checkpoint.pt: every rank hands in its shards, rank 0 pauses the producer at a batch
-        boundary, captures everything a resume needs and writes it."""
+        boundary (or, for the run's last checkpoint, ``final``, stops it where it is: a batch it has not handed over is
+        generated again on resume, and an engine call that never returns, a vLLM engine stopped by the same Ctrl-C,
+        cannot hang it), captures everything a resume needs and writes it."""
         model_state, optimizer_state = full_state_dicts(policy, optimizer)
         if rank != 0:
             barrier()  # until rank 0 has written it (under torchrun, one rank's exit stops all the others)
             return
-        pause_req.set()
-        while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
-            time.sleep(0.01)
+        if final:
+            with handover:
+                stop.set()
+        else:
+            pause_req.set()
+            while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
+                time.sleep(0.01)
         try:
+            in_flight = list(loading)  # read before the engine's version: the producer clears it after a load
             state = dict(
                 args=asdict(args),
                 update=update,
@@ -656,7 +639,7 @@ if __name__ == "__main__":
                 next_k=producer_state["next_k"],
                 engine_version=engine.version,
                 engine_weights={k: v.detach().cpu().clone() for k, v in engine.named_weights()},
-                pending_weights=list(weights_q.queue) + outbox,
+                pending_weights=in_flight + list(weights_q.queue) + outbox,
                 rollouts=pending + list(rollout_q.queue),
             )
         finally:
@@ -668,7 +651,7 @@ if __name__ == "__main__":
     update, trained_tokens = start_update, 0
     try:
         if update == 0 and args.eval_every > 0:
-            metrics = evaluate(0)
+            metrics = evaluate()
             tracker.log(metrics, 0)
             print0(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
         policy.train()
@@ -677,6 +660,8 @@ if __name__ == "__main__":
             t_wait = time.time()
             if j == 0 or not pending:  # a new rollout batch (or the partial one a resume restored)
                 batch = broadcast(trainer_get(rollout_q) if rank == 0 else None)  # rank 0's batch, to every rank
+                if batch is None:  # Ctrl-C while waiting for it
+                    raise KeyboardInterrupt
                 if batch["k"] != k:
                     raise RuntimeError(f"expected rollout batch {k}, got {batch['k']}")
                 pending = [batch]
@@ -811,7 +796,7 @@ if __name__ == "__main__":
                 metrics["async/logprob_diff"] = diff.mean().item() if diff.numel() else 0.0
                 metrics["async/logprob_diff_max"] = diff.max().item() if diff.numel() else 0.0
             if args.eval_every > 0 and (update % args.eval_every == 0 or update == args.total_updates):
-                metrics.update(evaluate(update))
+                metrics.update(evaluate())
             tracker.log(metrics, update)
             eta_s = tracker.eta(update, args.total_updates, args.eval_every)  # recent updates' pace, evaluations apart
             shown = ["charts/reward_mean", "eval/accuracy", "losses/clipfrac", "m2po/M2", "m2po/M2_after"]
@@ -850,10 +835,9 @@ if __name__ == "__main__":
             flush=True,
         )
         shutdown()
-    except KeyboardInterrupt:
-        if producer_state["error"] is None:
-            save(update)
-            print0(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
+    except KeyboardInterrupt:  # checkpointed even if the producer failed since (a vLLM engine stopped by the Ctrl-C)
+        save(update, final=True)
+        print0(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
         shutdown(130)
         sys.exit(130)
     finally:

@@ -29,7 +29,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 import torch
 
-from common.checkpoint import NonFiniteGuard, load_checkpoint, rng_state, save_checkpoint, save_model, set_rng_state
+from common.checkpoint import (
+    NonFiniteGuard,
+    load_checkpoint,
+    resumed_args,
+    rng_state,
+    save_checkpoint,
+    save_model,
+    set_rng_state,
+)
 from common.cli import parse
 from common.distributed import (
     all_ranks,
@@ -37,14 +45,14 @@ from common.distributed import (
     broadcast,
     full_model_state,
     full_state_dicts,
-    gathered_params,
     init_distributed,
     load_full_state_dicts,
     merge_ranks,
     shard_model,
     shutdown,
 )
-from common.engine import make_engine, sample, weight_payload
+from common.engine import make_engine, weight_payload
+from common.evaluation import greedy_eval
 from common.logprobs import collate, pad_float, response_logprobs
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
@@ -130,6 +138,9 @@ class Args:
     eval_every: int | None = None
     """greedy evaluation every N updates (and at update 0 and the end); 0 disables it (default: 10, or about 8
     evaluations in a run longer than 80 updates)"""
+    eval_batch_size: int = 64
+    """prompts per greedy generation pass in evaluation; its KV cache sits beside the trainer's weights, so lower it
+    for long answers on a large model"""
     checkpoint_every: int = 0
     """save the full training state, runs/<run_name>/checkpoint.pt, every N updates (0: only on Ctrl-C/SIGTERM and
     by wall-clock); a run that finishes removes it unless --keep-final-state"""
@@ -325,7 +336,7 @@ if __name__ == "__main__":
         args.total_updates = default_updates(args.staleness, 20)
     if args.eval_every is None:
         args.eval_every = default_eval_every(args.total_updates)
-    for name in ("prompts_per_batch", "total_updates", "max_new_tokens", "micro_batch_size"):
+    for name in ("prompts_per_batch", "total_updates", "max_new_tokens", "micro_batch_size", "eval_batch_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.micro_batch_size < args.group_size:
@@ -346,16 +357,7 @@ if __name__ == "__main__":
     args.sync_every = max(1, args.staleness)
     ckpt = load_checkpoint(args.resume) if args.resume else None
     if ckpt is not None:  # the run's settings come from the checkpoint, except --total-updates when given
-        total_updates, resume_path = args.total_updates, args.resume
-        args = Args(**ckpt["args"])
-        if any(a.split("=")[0] == "--total-updates" for a in sys.argv[1:]):
-            args.total_updates = total_updates
-        args.resume = resume_path
-        if args.total_updates <= ckpt["update"]:
-            raise SystemExit(
-                f"--resume: the checkpoint is at update {ckpt['update']}; pass --total-updates N with "
-                f"N > {ckpt['update']} to train further"
-            )
+        args = resumed_args(args, ckpt)
     slots_per_micro = args.micro_batch_size // args.group_size  # whole slots (<= K samples each) per micro-batch
     n_micro = -(-args.prompts_per_batch // slots_per_micro)  # micro-batches per update, dealt out to the ranks
     if n_micro % world:
@@ -386,14 +388,14 @@ if __name__ == "__main__":
     chat = task.chat if args.chat_template is None else args.chat_template
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
-    policy = load_model(model_path).to(device)
+    policy = load_model(model_path, meta=rank != 0)  # rank 0: the weights, in CPU memory; the others: its shape
     policy.config.use_cache = False
     gen_eos = policy.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
     ref_model = None  # pi_ref of the TB target: only rank 0's searcher runs it, whole (not sharded: no collectives)
     if rank == 0:
         ref_model = load_model(model_path).to(device).eval().requires_grad_(False)
-    engine = None  # rank 0 owns the rollout engine (made from the full, not yet sharded, policy)
+    engine = None  # rank 0 owns the rollout engine (made from the full, not yet sharded, policy, on its device)
     if rank == 0:
         engine = make_engine(
             args.engine,
@@ -406,8 +408,9 @@ if __name__ == "__main__":
             seed=args.seed,
             kv_cache_gib=args.vllm_kv_cache_gib,
             gpus=args.vllm_gpus,
+            device=device,
         )
-    policy = shard_model(policy)  # FSDP2 over the trainer ranks (one process: unchanged)
+    policy = shard_model(policy, device)  # FSDP2 over the trainer ranks, from rank 0's weights (one process: moved)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     s, P, K = args.staleness, args.prompts_per_batch, args.group_size
     anneal = args.beta_anneal_updates or args.total_updates
@@ -428,6 +431,8 @@ if __name__ == "__main__":
     sampler = np.random.default_rng(args.seed)  # the trainer's slot draws
     weights_q: queue.Queue = queue.Queue(maxsize=1)  # the newest weight payload (version, [(name, tensor)])
     stop, pause_req, paused = threading.Event(), threading.Event(), threading.Event()
+    handover = threading.Lock()  # the producer takes weights and hands over batches under it (final checkpoints)
+    loading: list = []  # the payload the engine is loading (taken from weights_q, not yet its version)
     producer_state = dict(next_round=0, update=0, error=None, duplicates=0, evicted=0, gen_tokens=0, gen_total_time=0.0)
     producer_state.update(gen_time=0.0, ref_time=0.0, producer_wait=0.0, weight_sync=0.0)  # the latest round's timings
     interrupted = threading.Event()  # Ctrl-C or SIGTERM (the notice a cluster sends before preemption)
@@ -491,6 +496,13 @@ if __name__ == "__main__":
                 continue
         return None
 
+    def take_payload(timeout: float = 0.05):
+        """The next weight payload from the trainer (queue.Empty if none within ``timeout`` s), kept in ``loading``
+        until the engine holds it: a final checkpoint, which does not wait for the producer, still keeps it."""
+        with handover:
+            loading[:] = [weights_q.get(timeout=timeout)]
+        return loading[0]
+
     # ---- algorithm: the searcher generates rounds of P prompts x K samples, with pi_ref's log-probs, into the buffer
     def may_start(n):
         """Round n may start once the trainer is close enough (rounds ahead); raises queue.Empty to keep waiting."""
@@ -506,19 +518,21 @@ if __name__ == "__main__":
                 t0, sync_time = time.time(), 0.0
                 if s == 0:  # synchronous: round n is generated by version n
                     while engine.version < n:
-                        item = wait_or_pause(lambda: weights_q.get(timeout=0.05))
+                        item = wait_or_pause(take_payload)
                         if item is None:
                             return
                         t1 = time.time()
                         engine.load_weights(item[1], item[0])
+                        loading.clear()
                         sync_time += time.time() - t1
                 elif wait_or_pause(lambda: may_start(n)) is None:
                     return
                 if s > 0:  # free-running: take the newest weights handed over, if any, at the start of a round
                     try:
-                        item = weights_q.get_nowait()
+                        item = take_payload(timeout=0)
                         t1 = time.time()
                         engine.load_weights(item[1], item[0])
+                        loading.clear()
                         sync_time += time.time() - t1
                     except queue.Empty:
                         pass
@@ -554,7 +568,9 @@ if __name__ == "__main__":
                     logp_ref += (lp * mb["response_mask"]).sum(-1).tolist()
                 ref_time = time.time() - t1
                 release_free_memory()
-                with buffer_lock:
+                with handover, buffer_lock:  # a final checkpoint sees this round in the buffer, or not at all
+                    if stop.is_set():
+                        return
                     for g, prompt in enumerate(unique):
                         items = [
                             dict(
@@ -593,40 +609,26 @@ if __name__ == "__main__":
     # ---------------------------------------------------------------- shared plumbing: evaluation
     eval_prompts = [encode(row) for row in task.eval_rows]  # encoded once, reused by every evaluation
 
-    @torch.no_grad()
-    def evaluate(step: int) -> dict:
-        policy.eval()
-        lo, hi = rank * len(eval_prompts) // world, (rank + 1) * len(eval_prompts) // world  # this rank's problems
-        responses, truncated = [], []
-        with gathered_params(policy):  # sharded: each rank holds the full weights and generates on its own
-            for i in range(lo, hi, args.gen_batch_size):
-                r, _, tr = sample(
-                    policy,
-                    eval_prompts[i : min(i + args.gen_batch_size, hi)],
-                    eos_ids=eos_ids,
-                    max_new_tokens=args.max_new_tokens,
-                    pad_id=tokenizer.pad_token_id,
-                    greedy=True,
-                    autocast=args.bf16,
-                )
-                responses += r
-                truncated += tr
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        correct = [task.reward(t, row) == 1.0 for t, row in zip(texts, task.eval_rows[lo:hi])]
-        correct, truncated, lengths = merge_ranks(correct, truncated, [len(r) for r in responses])
-        policy.train()
-        return {
-            "eval/accuracy": float(np.mean(correct)),
-            "eval/truncated_frac": float(np.mean(truncated)),
-            "eval/response_length_mean": float(np.mean(lengths)),
-        }
+    def evaluate() -> dict:
+        """greedy decoding of the held-out problems with the trainer's weights, split over the ranks"""
+        return greedy_eval(
+            policy,
+            tokenizer,
+            eval_prompts,
+            task.eval_rows,
+            task.reward,
+            eos_ids=eos_ids,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.eval_batch_size,
+            autocast=args.bf16,
+        )
 
     # ---- algorithm: the greedy eval pauses the searcher at a round boundary (no sharing the CPU with generation)
-    def evaluate_paused(step: int) -> dict:
+    def evaluate_paused() -> dict:
         pause_req.set()  # rank 0's searcher waits
         while thread is not None and thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
             time.sleep(0.01)
-        metrics = evaluate(step)
+        metrics = evaluate()
         pause_req.clear()
         return metrics
 
@@ -637,30 +639,39 @@ if __name__ == "__main__":
         return args.learning_rate * warm
 
     def trainer_wait_for(ready):
-        """Wait until ``ready()`` holds, re-raising the searcher's error and honouring Ctrl-C, both without hanging."""
+        """Wait until ``ready()`` holds (True), honouring Ctrl-C (False, which every rank then learns: they stop
+        together) and re-raising the searcher's error, both without hanging. Ctrl-C comes first: it also stops a vLLM
+        engine that runs in its own processes, and the searcher's error is then its consequence."""
         while True:
+            if interrupted.is_set():
+                return False
             if producer_state["error"] is not None:
                 raise RuntimeError("searcher failed") from producer_state["error"]
-            if interrupted.is_set() and world == 1:  # several ranks stop together, after an update
-                raise KeyboardInterrupt
             with buffer_lock:
                 if ready():
-                    return
+                    return True
             if not thread.is_alive():
                 raise RuntimeError("searcher exited without producing the round the trainer needs")
             time.sleep(0.02)
 
-    def save(update: int) -> None:
+    def save(update: int, final: bool = False) -> None:
         """Write runs/<run_name>/checkpoint.pt: every rank hands in its shards, rank 0 pauses the searcher at a round
-        boundary, captures everything a resume needs and writes it."""
+        boundary (or, for the run's last checkpoint, ``final``, stops it where it is: a round it has not added to the
+        buffer is generated again on resume, and an engine call that never returns, a vLLM engine stopped by the same
+        Ctrl-C, cannot hang it), captures everything a resume needs and writes it."""
         model_state, optimizer_state = full_state_dicts(policy, optimizer)
         if rank != 0:
             barrier()  # until rank 0 has written it (under torchrun, one rank's exit stops all the others)
             return
-        pause_req.set()
-        while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
-            time.sleep(0.01)
+        if final:
+            with handover:
+                stop.set()
+        else:
+            pause_req.set()
+            while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
+                time.sleep(0.01)
         try:
+            in_flight = list(loading)  # read before the engine's version: the searcher clears it after a load
             state = dict(
                 args=asdict(args),
                 update=update,
@@ -672,7 +683,7 @@ if __name__ == "__main__":
                 searcher={k: v for k, v in producer_state.items() if k != "error"},
                 engine_version=engine.version,
                 engine_weights={k: v.detach().cpu().clone() for k, v in engine.named_weights()},
-                pending_weights=list(weights_q.queue),
+                pending_weights=in_flight + list(weights_q.queue),
             )
         finally:
             pause_req.clear()
@@ -683,23 +694,25 @@ if __name__ == "__main__":
     update, trained_tokens = start_update, 0
     try:
         if update == 0 and args.eval_every > 0:
-            metrics = evaluate_paused(0)
+            metrics = evaluate_paused()
             tracker.log(metrics, 0)
             print0(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
         policy.train()
         while update < args.total_updates:
             t_wait = time.time()
             # ---- algorithm: wait for a round at most s updates old, then fill P slots by recency or priority
-            if rank == 0:  # rank 0 holds the replay buffer and draws from it
-                trainer_wait_for(lambda: bool(buffer) and max(b[-1]["version"] for b in buffer.values()) >= update - s)
+            draw = None  # rank 0 holds the replay buffer and draws from it, for every rank
+            if rank == 0 and trainer_wait_for(
+                lambda: bool(buffer) and max(b[-1]["version"] for b in buffer.values()) >= update - s
+            ):
                 with buffer_lock:
                     slots = sample_slots(buffer, P, K, m, args.priority_inv_temp, sampler)
-                    buffer_size, buffer_prompts = sum(len(b) for b in buffer.values()), len(buffer)
-                    rounds = producer_state["next_round"]  # counters as of this draw
-                    dropped = (producer_state["duplicates"], producer_state["evicted"])
-            slots, buffer_size, buffer_prompts, rounds, dropped = broadcast(  # rank 0's draw, to every rank
-                (slots, buffer_size, buffer_prompts, rounds, dropped) if rank == 0 else None
-            )
+                    counters = (producer_state["next_round"], (producer_state["duplicates"], producer_state["evicted"]))
+                    draw = (slots, sum(len(b) for b in buffer.values()), len(buffer), *counters)  # as of this draw
+            draw = broadcast(draw)
+            if draw is None:  # Ctrl-C while waiting for a round
+                raise KeyboardInterrupt
+            slots, buffer_size, buffer_prompts, rounds, dropped = draw
             trainer_wait = time.time() - t_wait
             samples = [(p, h, j, rec) for j, (p, items, rec) in enumerate(slots) for h in items]  # slot-major
             N = len(samples)
@@ -817,7 +830,7 @@ if __name__ == "__main__":
                 metrics["async/logprob_diff"] = fresh_tok.mean().item()
                 metrics["async/logprob_diff_max"] = fresh_tok.max().item()
             if args.eval_every > 0 and (update % args.eval_every == 0 or update == args.total_updates):
-                metrics.update(evaluate_paused(update))
+                metrics.update(evaluate_paused())
             tracker.log(metrics, update)
             eta_s = tracker.eta(update, args.total_updates, args.eval_every)  # recent updates' pace, evaluations apart
             shown = ["charts/reward_mean", "eval/accuracy", "tba/logZ_mean", "losses/kl", "tba/samples"]
@@ -856,10 +869,9 @@ if __name__ == "__main__":
             flush=True,
         )
         shutdown()
-    except KeyboardInterrupt:
-        if producer_state["error"] is None:
-            save(update)
-            print0(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
+    except KeyboardInterrupt:  # checkpointed even if the producer failed since (a vLLM engine stopped by the Ctrl-C)
+        save(update, final=True)
+        print0(f"\ninterrupted at update {update}; resume with --resume {ckpt_path}", flush=True)
         shutdown(130)
         sys.exit(130)
     finally:

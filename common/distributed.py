@@ -10,7 +10,6 @@ import datetime
 import os
 import sys
 import types
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -47,10 +46,16 @@ def is_sharded(model) -> bool:
     return hasattr(model, "fsdp_call")
 
 
-def shard_model(model):
-    """FSDP2 (``fully_shard``) over all ranks: each transformer block (a module whose class name ends in
-    ``DecoderLayer``, as in every HF decoder) is one shard group, the root holds the rest (embeddings, final norm,
-    LM head, a value head). A world of 1 leaves the model as it is.
+def shard_model(model, device: torch.device):
+    """FSDP2 (``fully_shard``) over all ranks, each rank's shards on ``device``: each transformer block (a module
+    whose class name ends in ``DecoderLayer``, as in every HF decoder) is one shard group, the root holds the rest
+    (embeddings, final norm, LM head, a value head). A world of 1: the model moved to ``device``.
+
+    The weights are rank 0's: its model is the loaded one (in CPU memory), the other ranks' may be built on the meta
+    device (``load_model(meta=True)``) or hold anything. Rank 0 keeps a reference to its full state dict in CPU
+    memory, FSDP places each rank's shard of every parameter on ``device``, and the full tensors reach the shards
+    from rank 0 one at a time, buffers too (the rotary frequencies are in no state dict): no rank holds the full
+    fp32 model on its device.
 
     Gradients are summed over ranks, not averaged (divide factor 1): each rank's loss is its share of the
     minibatch loss, normalised by the minibatch's global sizes, so the shares add up to the one-process loss.
@@ -59,21 +64,29 @@ def shard_model(model):
     parameters and reduce-scatters their gradients around them as it does around ``forward``.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return model
+        return model.to(device)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     if not layers:
         raise SystemExit(f"cannot shard {type(model).__name__}: no transformer blocks (*DecoderLayer modules) found")
-    # the mesh of the model's device type: without one, fully_shard builds it on the accelerator torch was built
+    full = model.state_dict() if dist.get_rank() == 0 else {}  # CPU tensors, kept through the moves below
+    # the mesh of the device type asked for: without one, fully_shard builds it on the accelerator torch was built
     # for, a CUDA mesh over a gloo group for a --no-cuda run on a GPU node
-    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     # resharded after every forward, the root too (all-gathered again for backward): a root kept gathered after a
     # forward without backward (no_grad passes) would keep serving its pre-update weights after optimizer.step
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    if dist.get_rank() != 0:  # memory for a model built on the meta device; its values come from rank 0 below
+        model.to_empty(device=device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    del full
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
@@ -83,27 +96,6 @@ def shard_model(model):
     with torch.no_grad():
         model.fsdp_call(lambda self: None)  # FSDP initialises from the root's first forward: before any layer's
     return model
-
-
-@contextmanager
-def gathered_params(model):
-    """Every rank holds the full weights for the duration (FSDP unshard, no resharding), so each can run forward
-    passes on its own: generation, whose number of steps differs between ranks. A no-op for an unsharded model."""
-    if not is_sharded(model):
-        yield model
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in modules:
-        m.set_reshard_after_forward(False)
-        m.unshard()
-    try:
-        yield model
-    finally:
-        for m in modules:
-            m.reshard()
-            m.set_reshard_after_forward(True)  # as shard_model set them
 
 
 def full_model_state(model) -> dict:

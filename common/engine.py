@@ -17,7 +17,9 @@ import copy
 import os
 
 import torch
+import torch.distributed as dist
 
+from common.distributed import is_sharded
 from common.logprobs import left_pad, position_ids_from_mask
 from common.vllm_engine import VLLMEngine, engine_gpus
 
@@ -44,7 +46,21 @@ def inverse_cdf_sample(logp: torch.Tensor, generator: torch.Generator | None = N
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
 
 
-@torch.inference_mode()
+def _decode_step(model, ids, mask, positions, past, n: int):
+    """One forward of ``sample``: the base model over the new tokens (the prompts at the prefill), the cache of the
+    prefill repeated ``n`` times (a group shares its prefix), the LM head on the last position. Returns (logits,
+    past, mask, positions)."""
+    out = getattr(model, model.base_model_prefix)(
+        input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True
+    )
+    hidden = out.last_hidden_state[:, -1]
+    if n > 1 and past is None:  # after the shared prefill: one copy of the cache per sample
+        out.past_key_values.batch_repeat_interleave(n)
+        mask, positions, hidden = (t.repeat_interleave(n, 0) for t in (mask, positions, hidden))
+    # .contiguous(): a bf16 linear on a strided slice is ~600x slower on CPU (torch 2.13)
+    return model.get_output_embeddings()(hidden.contiguous()), out.past_key_values, mask, positions
+
+
 def sample(
     model,
     prompts: list[list[int]],
@@ -66,6 +82,10 @@ def sample(
     Greedy decoding reports the log-probs of the temperature-1 distribution. ``before_step(t)``, if given,
     is called before decoding step t (t = 0 is the prefill), i.e. before response token t is sampled; it may
     change the model's weights in place, which then sample token t onwards (the cache of earlier tokens stays).
+
+    A model sharded over several ranks (``common.distributed.shard_model``) decodes in lockstep: every step is one
+    FSDP forward (each block's weights gathered in turn, as in training, never the whole model), so every rank must
+    call ``sample`` with the same ``max_new_tokens`` and ``n``, and decoding stops when every rank's rows are done.
     """
     device = next(model.parameters()).device
     ids, mask = (t.to(device) for t in left_pad(prompts, pad_id))
@@ -75,21 +95,17 @@ def sample(
     out_tok, out_lp = [], []
     past = None
     cur_ids, cur_pos = ids, position_ids_from_mask(mask)
-    base, head = getattr(model, model.base_model_prefix), model.get_output_embeddings()
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+    lockstep = is_sharded(model) and dist.get_world_size() > 1
+    # no_grad for a sharded model: FSDP reuses its all-gather buffers in training, which inference mode would mark
+    no_grad = torch.no_grad() if is_sharded(model) else torch.inference_mode()
+    with no_grad, torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         for t in range(max_new_tokens):
             if before_step is not None:
                 before_step(t)
-            out = base(
-                input_ids=cur_ids, attention_mask=mask, position_ids=cur_pos, past_key_values=past, use_cache=True
-            )
-            past = out.past_key_values
-            if n > 1 and cur_ids is ids:  # after the shared prefill: one copy of the cache per sample
-                past.batch_repeat_interleave(n)
-                mask, cur_pos = mask.repeat_interleave(n, 0), cur_pos.repeat_interleave(n, 0)
-                out.last_hidden_state = out.last_hidden_state[:, -1:].repeat_interleave(n, 0)
-            # .contiguous(): a bf16 linear on a strided slice is ~600x slower on CPU (torch 2.13)
-            logits = head(out.last_hidden_state[:, -1].contiguous())
+            if is_sharded(model):  # one FSDP forward (gathers the root's weights too)
+                logits, past, mask, cur_pos = model.fsdp_call(_decode_step, cur_ids, mask, cur_pos, past, n)
+            else:
+                logits, past, mask, cur_pos = _decode_step(model, cur_ids, mask, cur_pos, past, n)
             if greedy:
                 lp = torch.log_softmax(logits.float(), -1)
                 tok = lp.argmax(-1)
@@ -104,7 +120,10 @@ def sample(
             mask = torch.cat([mask, alive.long()[:, None]], dim=1)
             cur_pos = cur_pos[:, -1:] + 1
             cur_ids = tok[:, None]
-            if bool(done.all()):
+            finished = done.all().to(torch.int32)
+            if lockstep:  # the next step is collective: it is taken unless every rank has finished
+                dist.all_reduce(finished, op=dist.ReduceOp.MIN)
+            if bool(finished):
                 break
     toks = torch.stack(out_tok, 1).cpu() if out_tok else torch.zeros((B, 0), dtype=torch.long)
     lps = torch.stack(out_lp, 1).cpu() if out_lp else torch.zeros((B, 0))
@@ -122,8 +141,10 @@ def sample(
 class HFEngine:
     """A rollout engine around a private copy of a causal LM. ``version`` tags every sample."""
 
-    def __init__(self, model, *, eos_ids: list[int], pad_id: int, dtype=torch.bfloat16, max_batch: int = 64):
-        self.model = copy.deepcopy(model).to(dtype).eval()
+    def __init__(
+        self, model, *, eos_ids: list[int], pad_id: int, dtype=torch.bfloat16, max_batch: int = 64, device=None
+    ):
+        self.model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()  # device None: the model's
         # eager attention: for one new token over a short cache it is 1.3x faster than SDPA on CPU (torch 2.13)
         self.model.set_attn_implementation("eager")
         for p in self.model.parameters():
@@ -222,8 +243,10 @@ def make_engine(
     kv_cache_gib: float = 0.5,
     sync: str | None = None,
     gpus: int = 0,
+    device=None,
 ):
-    """The rollout engine of ``--engine``, holding the trainer's current weights as version 0. The HF engine and a
+    """The rollout engine of ``--engine``, holding the trainer's current weights as version 0 (``policy``: the full,
+    unsharded model, in CPU memory or on a device). The HF engine (on ``device``, default the policy's) and a
     vLLM engine with ``gpus=0`` share the trainer's device (rank 0's); ``gpus > 0`` starts vLLM on GPUs of its own
     (``engine_gpus``), tensor-parallel over them, with NCCL weight sync from the trainer. The vLLM weight sync
     (``VLLMEngine``) follows from that unless ``sync`` is given: nccl on GPUs of its own, ipc under torchrun
@@ -232,7 +255,7 @@ def make_engine(
     if kind == "hf":
         if gpus:
             raise SystemExit("--vllm-gpus needs --engine vllm (the HF engine shares the trainer's device)")
-        return HFEngine(policy, eos_ids=eos_ids, pad_id=pad_id, dtype=dtype, max_batch=max_batch)
+        return HFEngine(policy, eos_ids=eos_ids, pad_id=pad_id, dtype=dtype, max_batch=max_batch, device=device)
     if kind == "vllm":
         engine = VLLMEngine(
             model_path,

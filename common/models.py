@@ -5,6 +5,7 @@ without importing the package (its ``__init__`` pulls in heavy optional dependen
 once into a normal Hugging Face folder, and cache the folder outside the repository.
 """
 
+import contextlib
 import importlib.metadata
 import os
 from pathlib import Path
@@ -92,12 +93,20 @@ def resolve_model(name: str | None) -> str:
     return name
 
 
-def load_model(path: str, dtype=torch.float32):
-    """Load a causal LM (trainable, eval mode off) from a resolved path or hub id."""
-    from transformers import AutoModelForCausalLM
+def load_model(path: str, dtype=torch.float32, meta: bool = False):
+    """Load a causal LM (trainable, eval mode off) from a resolved path or hub id, in CPU memory. ``meta``: only its
+    structure, on the meta device (no memory, the weights not read), with the folder's generation config: the ranks
+    other than 0 of a sharded run, whose shards ``common.distributed.shard_model`` fills from rank 0's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if not meta:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        with contextlib.suppress(OSError):  # its eos ids, as from_pretrained reads them (none: the config's, as there)
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        return model
     except OSError as e:
         raise SystemExit(
             f"--model {path}: could not load it ({e.__class__.__name__}: {str(e).splitlines()[0]}). "

