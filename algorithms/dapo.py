@@ -347,6 +347,15 @@ if __name__ == "__main__":
     if args.eval_every is None:
         args.eval_every = default_eval_every(args.total_updates)
     check_shared_args(args, world)  # the batch arithmetic: fills args.batch_size and args.minibatch_size
+    if not 0 < args.overlong_buffer < args.max_new_tokens:
+        raise SystemExit(
+            f"--overlong-buffer (L_cache) must be in [1, max_new_tokens - 1] = [1, {args.max_new_tokens - 1}], "
+            f"got {args.overlong_buffer}"
+        )
+    if args.oversample < 1 or args.max_sampling_rounds < 1:
+        raise SystemExit("--oversample and --max-sampling-rounds must be >= 1")
+    if not (args.clip_eps_low > 0 and args.clip_eps_high > 0):
+        raise SystemExit("--clip-eps-low and --clip-eps-high must be > 0")
     run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
     args.run_name = run_name
     run_dir = os.path.join("runs", run_name)
