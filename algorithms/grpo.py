@@ -542,27 +542,27 @@ if __name__ == "__main__":
         if rank != 0:
             barrier()  # until rank 0 has written it (under torchrun, one rank's exit stops all the others)
             return
-        if final:
-            with handover:
-                stop.set()
-        else:
+        if not final:  # the producer waits at a batch boundary
             pause_req.set()
             while thread.is_alive() and not paused.is_set() and producer_state["error"] is None:
                 time.sleep(0.01)
         try:
-            in_flight = list(loading)  # read before the engine's version: the producer clears it after a load
-            state = dict(
-                args=asdict(args),
-                update=update,
-                model=model_state,
-                optimizer=optimizer_state,
-                rng=rng_state(),
-                next_k=producer_state["next_k"],
-                engine_version=engine.version,
-                engine_weights={k: v.detach().cpu().clone() for k, v in engine.named_weights()},
-                pending_weights=in_flight + list(weights_q.queue) + outbox,
-                rollouts=pending + list(rollout_q.queue),
-            )
+            with handover:  # no payload taken and no batch handed over while the state is read
+                if final:  # the producer stops where it is
+                    stop.set()
+                in_flight = list(loading)  # read before the engine's version: the producer clears it after a load
+                state = dict(
+                    args=asdict(args),
+                    update=update,
+                    model=model_state,
+                    optimizer=optimizer_state,
+                    rng=rng_state(),
+                    next_k=producer_state["next_k"],
+                    engine_version=engine.version,
+                    engine_weights={k: v.detach().cpu().clone() for k, v in engine.named_weights()},
+                    pending_weights=in_flight + list(weights_q.queue) + outbox,
+                    rollouts=pending + list(rollout_q.queue),
+                )
         finally:
             pause_req.clear()
         save_checkpoint(ckpt_path, {**state, "nonfinite_skips": guard.skips})
