@@ -492,6 +492,14 @@ if __name__ == "__main__":
             loading[:] = [weights_q.get(timeout=timeout)]
         return loading[0]
 
+    def load_payload(item) -> float:
+        """Load a payload from take_payload into the engine (then its version, no longer ``loading``); returns the
+        seconds it took."""
+        t1 = time.time()
+        engine.load_weights(item[1], item[0])
+        loading.clear()
+        return time.time() - t1
+
     def producer():
         try:
             while producer_state["next_k"] < num_batches:
@@ -503,10 +511,7 @@ if __name__ == "__main__":
                         return
                     if item[0] > batch_version(k, U, s):
                         raise RuntimeError(f"batch {k} needs version {batch_version(k, U, s)}, got {item[0]}")
-                    t1 = time.time()
-                    engine.load_weights(item[1], item[0])
-                    loading.clear()
-                    sync_time = time.time() - t1
+                    sync_time = load_payload(item)
                 if wait_or_pause(lambda: True) is None:  # a checkpoint may snapshot us here, between batches
                     return
                 producer_wait = time.time() - t0

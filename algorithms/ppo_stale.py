@@ -487,18 +487,23 @@ if __name__ == "__main__":
             loading[:] = [weights_q.get(timeout=timeout)]
         return loading[0]
 
+    def load_payload(item) -> float:
+        """Load a payload from take_payload into the engine (then its version, no longer ``loading``); returns the
+        seconds it took."""
+        t1 = time.time()
+        engine.load_weights(item[1], item[0])
+        loading.clear()
+        return time.time() - t1
+
     def take_weights(_step=None) -> None:
         """Bounded mode: apply the weights the trainer published, if any, without waiting. Called before every
         decoding step (AReaL's interruptible generation: in-flight sequences continue under the new weights, their
         KV cache is kept) and before admission control."""
         try:
-            version, tensors = take_payload(timeout=0)
+            item = take_payload(timeout=0)
         except queue.Empty:
             return
-        t1 = time.time()
-        engine.load_weights(tensors, version)
-        loading.clear()
-        producer_state["sync_time"] += time.time() - t1
+        producer_state["sync_time"] += load_payload(item)
 
     def must_wait(k: int) -> bool:
         """Whether the engine's weights do not allow batch k to start yet."""
@@ -535,10 +540,7 @@ if __name__ == "__main__":
                         return
                     if eta is None and item[0] > batch_version(k, U, s):
                         raise RuntimeError(f"batch {k} needs version {batch_version(k, U, s)}, got {item[0]}")
-                    t1 = time.time()
-                    engine.load_weights(item[1], item[0])
-                    loading.clear()
-                    producer_state["sync_time"] += time.time() - t1
+                    producer_state["sync_time"] += load_payload(item)
                 if wait_or_pause(lambda: True) is None:  # a checkpoint may snapshot us here, between batches
                     return
                 producer_wait = time.time() - t0

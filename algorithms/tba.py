@@ -503,6 +503,14 @@ if __name__ == "__main__":
             loading[:] = [weights_q.get(timeout=timeout)]
         return loading[0]
 
+    def load_payload(item) -> float:
+        """Load a payload from take_payload into the engine (then its version, no longer ``loading``); returns the
+        seconds it took."""
+        t1 = time.time()
+        engine.load_weights(item[1], item[0])
+        loading.clear()
+        return time.time() - t1
+
     # ---- algorithm: the searcher generates rounds of P prompts x K samples, with pi_ref's log-probs, into the buffer
     def may_start(n):
         """Round n may start once the trainer is close enough (rounds ahead); raises queue.Empty to keep waiting."""
@@ -521,19 +529,13 @@ if __name__ == "__main__":
                         item = wait_or_pause(take_payload)
                         if item is None:
                             return
-                        t1 = time.time()
-                        engine.load_weights(item[1], item[0])
-                        loading.clear()
-                        sync_time += time.time() - t1
+                        sync_time += load_payload(item)
                 elif wait_or_pause(lambda: may_start(n)) is None:
                     return
                 if s > 0:  # free-running: take the newest weights handed over, if any, at the start of a round
                     try:
                         item = take_payload(timeout=0)
-                        t1 = time.time()
-                        engine.load_weights(item[1], item[0])
-                        loading.clear()
-                        sync_time += time.time() - t1
+                        sync_time += load_payload(item)
                     except queue.Empty:
                         pass
                 if wait_or_pause(lambda: True) is None:  # a checkpoint may snapshot us here, between rounds

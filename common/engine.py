@@ -95,14 +95,14 @@ def sample(
     out_tok, out_lp = [], []
     past = None
     cur_ids, cur_pos = ids, position_ids_from_mask(mask)
-    lockstep = is_sharded(model) and dist.get_world_size() > 1
+    sharded = is_sharded(model)  # over several ranks (shard_model leaves a world of 1 unsharded): lockstep
     # no_grad for a sharded model: FSDP reuses its all-gather buffers in training, which inference mode would mark
-    no_grad = torch.no_grad() if is_sharded(model) else torch.inference_mode()
+    no_grad = torch.no_grad() if sharded else torch.inference_mode()
     with no_grad, torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         for t in range(max_new_tokens):
             if before_step is not None:
                 before_step(t)
-            if is_sharded(model):  # one FSDP forward (gathers the root's weights too)
+            if sharded:  # one FSDP forward (gathers the root's weights too)
                 logits, past, mask, cur_pos = model.fsdp_call(_decode_step, cur_ids, mask, cur_pos, past, n)
             else:
                 logits, past, mask, cur_pos = _decode_step(model, cur_ids, mask, cur_pos, past, n)
@@ -121,7 +121,7 @@ def sample(
             cur_pos = cur_pos[:, -1:] + 1
             cur_ids = tok[:, None]
             finished = done.all().to(torch.int32)
-            if lockstep:  # the next step is collective: it is taken unless every rank has finished
+            if sharded:  # the next step is collective: it is taken unless every rank has finished
                 dist.all_reduce(finished, op=dist.ReduceOp.MIN)
             if bool(finished):
                 break
