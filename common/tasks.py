@@ -58,7 +58,7 @@ _DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
 # name: (text with {question}, chat template?, verifier) -- the papers' prompts and verifiers (docs/tasks.md)
 TEMPLATES = {
     "number": ("{question} Reply with just the number.", True, "last_number"),
-    "chain": ("{question} One step per line, then #### result.", True, "hash"),
+    "chain": ("One step per line, then #### result.\n{question}\n", False, "hash"),
     "grpo": ('{question} Let\'s think step by step and output the final answer after "####".', True, "hash"),
     "dapo": (_DAPO_HEAD + "{question}" + _DAPO_TAIL, True, "answer_line"),
     "m2po": (
@@ -158,28 +158,32 @@ def make_arithmetic_task(digits: int = 2, eval_size: int = 200, seed: int = 1, t
 # Why this task: its solutions are several newline-separated steps that each depend on the one before, so one wrong
 # step makes the final answer wrong (step-level credit assignment has something to assign), and the number of
 # steps varies several-fold between problems (long tails for asynchrony and overlong shaping to act on), while the
-# problems stay procedural: unlimited, exactly checkable, and a held-out set that training never meets.
-CHAIN_OPS = (2, 12)  # operations per problem: n in [2, 12] with P(n) proportional to 1/n (median 4, mean 5.2)
+# problems stay procedural: unlimited, exactly checkable, and a held-out set that training never meets. The prompt is
+# raw text ending with the expression on its own line, so the first step reads the line above it as every later
+# step does (docs/tasks.md).
+# operations per problem: n in [3, 14] with P(n) proportional to n^-1.5 (mean 6.1, median 5); at --digits 1 a worked
+# solution is 10n + 6 characters, from 36 to 146
+CHAIN_OPS = (3, 14)
 
 
 def chain_problem(rng: random.Random, digits: int) -> dict:
-    """A start value of ``digits + 1`` digits followed by n additions or subtractions of ``digits``-digit operands,
-    the running value kept within [0, 10^(digits+1) - 1]. ``solution`` works it one operation per line
-    ("37 + 8 = 45"), then "#### <result>"; ``answer`` is the result."""
-    top = 10 ** (digits + 1) - 1
+    """A start value in [0, 10^digits - 1] followed by n additions or subtractions, each operand drawn so that the
+    running value stays in that range (question "4 - 1 + 3 - 4"). ``solution`` works one operation per line
+    ("4 - 1 = 3", "3 + 3 = 6", "6 - 4 = 2"), then "#### <result>"; ``answer`` is the result and ``steps`` is n."""
+    top = 10**digits - 1
     ns = list(range(CHAIN_OPS[0], CHAIN_OPS[1] + 1))
-    n = rng.choices(ns, weights=[1 / k for k in ns])[0]
-    value = rng.randint(10**digits, top)
+    n = rng.choices(ns, weights=[k**-1.5 for k in ns])[0]
+    value = rng.randint(0, top)
     terms, lines = [str(value)], []
     for _ in range(n):
-        b = rng.randint(10 ** (digits - 1) if digits > 1 else 1, 10**digits - 1)
-        add = value - b < 0 or (value + b <= top and rng.random() < 0.5)
+        add = value == 0 or (value < top and rng.random() < 0.5)
+        b = rng.randint(1, top - value) if add else rng.randint(1, value)
         new = value + b if add else value - b
         terms.append(f"{'+' if add else '-'} {b}")
-        lines.append(f"{value} {'+' if add else '-'} {b} = {new}")
+        lines.append(f"{value} {terms[-1]} = {new}")
         value = new
     solution = "\n".join(lines + [f"#### {value}"])
-    return {"question": f"{' '.join(terms)} = ?", "answer": str(value), "solution": solution, "steps": n}
+    return {"question": " ".join(terms), "answer": str(value), "solution": solution, "steps": n}
 
 
 def make_chain_task(digits: int = 1, eval_size: int = 200, seed: int = 1, template: str = "chain") -> Task:

@@ -110,34 +110,35 @@ def check_chain(row: dict, digits: int) -> list[int]:
     """Recompute a chain problem from its question alone: every solution line, the result and the bounds."""
     import re
 
-    terms = row["question"].removesuffix(" = ?").split(" ")
+    terms = row["question"].split(" ")
     value, ops = int(terms[0]), list(zip(terms[1::2], map(int, terms[2::2])))
-    assert 10**digits <= value < 10 ** (digits + 1) and 2 <= len(ops) == row["steps"] <= 12
+    assert 0 <= value < 10**digits and 3 <= len(ops) == row["steps"] <= 14
     lines = row["solution"].split("\n")
     values = [value]
     for line, (op, b) in zip(lines, ops):
-        assert 10 ** (digits - 1) <= b < 10**digits and op in "+-"
+        assert 1 <= b < 10**digits and op in "+-"
         new = value + b if op == "+" else value - b
-        assert line == f"{value} {op} {b} = {new}" and 0 <= new < 10 ** (digits + 1)
+        assert line == f"{value} {op} {b} = {new}" and 0 <= new < 10**digits
         value = new
         values.append(value)
     assert lines[-1] == f"#### {value}" and row["answer"] == str(value) and len(lines) == len(ops) + 1
-    assert re.fullmatch(r"[0-9 +\-=?]+", row["question"])
+    assert re.fullmatch(r"[0-9]+( [+-] [0-9]+)+", row["question"])
     return values
 
 
 def test_chain_task_works_each_problem_one_operation_per_line():
     task = make_task("chain", digits=1, eval_size=300)
     counts = [check_chain(r, 1) and r["steps"] for r in task.eval_rows + task.train_rows(0, 300)]
-    assert set(counts) == set(range(2, 13))  # every length occurs
-    assert counts.count(2) > counts.count(6) > counts.count(12)  # P(n) proportional to 1/n
-    assert 4.5 < sum(counts) / len(counts) < 6.0
+    assert set(counts) == set(range(3, 15))  # every length occurs
+    assert counts.count(3) > counts.count(6) > counts.count(12)  # P(n) proportional to n^-1.5
+    assert 5.5 < sum(counts) / len(counts) < 6.7
     row = task.eval_rows[0]
     assert task.reward(row["solution"], row) == 1.0  # the reference solution is right
     wrong = row["solution"].replace(f"#### {row['answer']}", f"#### {int(row['answer']) + 1}")
     assert task.reward(wrong, row) == 0.0 and task.reward(row["answer"], row) == 0.0  # the "####" line counts
-    assert task.prompt(row) == f"{row['question']} One step per line, then #### result."
-    assert task.chat and task.info["verifier"] == "hash" and task.info["ops"] == [2, 12]
+    # raw text that ends with the expression on its own line: the line the first step reads, as later steps do
+    assert task.prompt(row) == f"One step per line, then #### result.\n{row['question']}\n"
+    assert not task.chat and task.info["verifier"] == "hash" and task.info["ops"] == [3, 14]
 
 
 def test_chain_task_is_seeded_held_out_and_has_a_difficulty_knob():
