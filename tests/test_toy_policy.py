@@ -90,13 +90,16 @@ def test_tiny_chain_build_records_what_rl_will_meet(tmp_path):
     )
     manifest = json.loads((tmp_path / "chain" / "toy_policy.json").read_text())
     assert manifest["task"] == "chain" and manifest["digits"] == 1 and manifest["steps"] == 3
+    chain = load_toy().TASK_DEFAULTS["chain"]
+    for key in ("learning_rate", "micro_batches", "replay_every", "max_position_embeddings"):  # unset: chain's own
+        assert manifest["args"][key] == chain[key], key
     rollouts = manifest["rollouts"]
     assert rollouts["samples"] == 8 and rollouts["max_new_tokens"] == 24 and 0 <= rollouts["truncated_frac"] <= 1
     assert 1 <= rollouts["tokens_median"] <= rollouts["tokens_p95"] <= 24 and rollouts["steps_mean"] >= 0
     assert manifest["update_seconds"]["seconds_per_update"] > 0
     errors = manifest["greedy_errors"]
     assert errors["of"] == 8 and sum(errors["first_wrong_step"].values()) == errors["wrong"]
-    assert load_model(resolve_model(str(tmp_path / "chain"))).config.max_position_embeddings == 384
+    assert load_model(resolve_model(str(tmp_path / "chain"))).config.max_position_embeddings == 256
 
 
 @pytest.mark.run
@@ -128,6 +131,29 @@ def test_grpo_runs_on_the_toy_policy(toy_path, tmp_path):
     assert "eval/accuracy" in rows[-1]
 
 
+def test_error_histogram_counts_first_wrong_steps_and_per_step_rates():
+    from types import SimpleNamespace
+
+    rows = [{"solution": f"1 + 1 = 2\n2 + 1 = 3\n#### {a}", "answer": str(a)} for a in (3, 3, 3, 3, 3)]
+    task = SimpleNamespace(
+        eval_rows=rows, reward=lambda text, row: float(text.strip().endswith(f"#### {row['answer']}"))
+    )
+    texts = [
+        rows[0]["solution"],  # right
+        "1 + 1 = 3\n3 + 1 = 4\n#### 4",  # wrong at step 1
+        "1 + 1 = 2\n2 + 1 = 4\n#### 4",  # wrong at step 2
+        "1 + 1 = 2\n2 + 1 = 4\n#### 4",
+        "1 + 1 = 2\n2 + 1 = 3\n#### 3\n",  # right (a trailing newline is no step)
+    ]
+    errors = load_toy().error_histogram(task, texts)
+    assert errors == {
+        "wrong": 3,
+        "of": 5,
+        "first_wrong_step": {1: 1, 2: 2},
+        "wrong_rate_at_step": {1: 0.2, 2: 0.5},  # 1 of 5 at step 1; 2 of the 4 still right at step 2
+    }
+
+
 def test_steps_first_wrong_step_and_percentile():
     toy = load_toy()
     solution = "37 + 8 = 45\n45 - 5 = 40\n#### 40"
@@ -142,6 +168,47 @@ def test_steps_first_wrong_step_and_percentile():
     values = list(range(1, 101))
     assert (toy.percentile(values, 0.5), toy.percentile(values, 0.95), toy.percentile(values, 1.0)) == (50, 95, 100)
     assert toy.percentile([7], 0.95) == 7
+
+
+def test_chain_defaults_give_long_varied_responses_and_fit_the_model():
+    """The chain toy policy's budget against its task's reference solutions: the response lengths RL meets from a
+    policy that solves the problems as taught (reproduce/toy/README.md measures the built policies)."""
+    toy = load_toy()
+    chain = toy.TASK_DEFAULTS["chain"]
+    tok, budget = toy.build_tokenizer(), chain["eval_max_new_tokens"]
+    task = make_task("chain", digits=chain["digits"], eval_size=50)
+    rows = [r for k in range(64) for r in task.train_rows(k, 32)]
+    lengths = [len(tok(toy.target(r), add_special_tokens=False)["input_ids"]) + 1 for r in rows]  # + </s>
+    capped = [min(n, budget) for n in lengths]
+    median = toy.percentile(capped, 0.5)
+    assert median >= 40 and toy.percentile(capped, 0.95) >= 2 * median
+    assert 0.02 <= sum(n > budget for n in lengths) / len(lengths) <= 0.15
+    assert sum(len(toy.steps_of(toy.target(r))) for r in rows) / len(rows) >= 4
+    prompts = [len(encode_prompt(tok, task.prompt(r))) for r in rows + task.eval_rows]
+    assert max(prompts) + max(budget, *lengths) <= chain["max_position_embeddings"]
+
+
+def test_supervised_batches_cut_the_step_by_length_with_the_same_loss():
+    import torch
+
+    toy = load_toy()
+    tok = toy.build_tokenizer()
+    task = make_task("chain", digits=1, eval_size=8)
+    rows = task.train_rows(0, 8)
+    (whole,) = toy.supervised_batches(task, tok, rows)
+    assert torch.equal(whole["input_ids"], toy.supervised_batch(task, tok, rows)["input_ids"])
+    parts = toy.supervised_batches(task, tok, rows, 3)
+    assert [len(b["input_ids"]) for b in parts] == [2, 3, 3]
+    assert sum(int(b["response_mask"].sum()) for b in parts) == int(whole["response_mask"].sum())
+    widths = [b["input_ids"].shape[1] for b in parts]
+    assert widths == sorted(widths) and widths[0] < whole["input_ids"].shape[1]  # short rows, less padding
+    config = toy.build_config(tok, 64, 1, 2, 1, 64, 384)
+    models = [toy.build_model(config, seed=1) for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    losses = [toy.supervised_step(m, o, b) for m, o, b in zip(models, optimizers, (whole, parts))]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
 class Counter:
@@ -192,6 +259,26 @@ def test_train_into_band_replays_step_by_step_after_a_check_jumps_over_the_band(
     steps, scores, checks = load_toy().train_into_band(c.model, c.optimizer, c.train_step, c.accuracy, BAND, 100, 10)
     assert (steps, scores, c.taken()) == (27, {"greedy": 0.3}, 27)  # weights and optimizer back to step 20, then 7
     assert [x["step"] for x in checks] == [10, 20, 30, 21, 22, 23, 24, 25, 26, 27]
+
+
+def test_train_into_band_replays_coarsely_then_step_by_step():
+    c = Counter(lambda n: {"greedy": 0.1 if n < 33 else 0.3 if n < 34 else 0.6})  # inside the band for one step
+    steps, scores, checks = load_toy().train_into_band(
+        c.model, c.optimizer, c.train_step, c.accuracy, BAND, 100, 20, replay_every=5
+    )
+    assert (steps, scores, c.taken()) == (33, {"greedy": 0.3}, 33)
+    # 40 jumped over: back to 20, a check every 5 steps; 35 jumped over: back to 30, a check after every step
+    assert [x["step"] for x in checks] == [20, 40, 25, 30, 35, 31, 32, 33]
+
+
+def test_train_into_band_skips_what_was_not_measured():
+    bands = {"greedy": (0.28, 0.38), "sampled": (0.22, 0.32)}
+    c = Counter(lambda n: {"greedy": n / 100, "sampled": None if n < 28 else n / 120})  # measured from greedy 0.28
+    steps, scores, checks = load_toy().train_into_band(c.model, c.optimizer, c.train_step, c.accuracy, bands, 100, 10)
+    assert steps == 30 and scores == {"greedy": 0.3, "sampled": 0.25} and checks[0]["sampled"] is None
+    never = Counter(lambda n: {"greedy": 0.1, "sampled": None})
+    with pytest.raises(SystemExit, match=r"step 20: greedy 0.100, sampled -"):
+        load_toy().train_into_band(never.model, never.optimizer, never.train_step, never.accuracy, bands, 20, 10)
 
 
 def test_train_into_band_fails_clearly_when_it_never_lands():

@@ -1,28 +1,31 @@
-"""Build a toy policy: a ~1M-parameter Llama with a character-level tokenizer, warm-started by a short supervised
-phase so that RL has signal (accuracy well above 0, far below 1), on the arithmetic task (2-digit addition,
-answered with the number) or the chain task (chained addition and subtraction, worked one operation per line).
+"""Build a toy policy: a small Llama (1.06M parameters for arithmetic, 0.31M for chain) with a character-level
+tokenizer, warm-started by a short supervised phase so that RL has signal (accuracy well above 0, far below 1), on the
+arithmetic task (2-digit addition, answered with the number) or the chain task (chained addition and subtraction, worked
+one operation per line).
 
     python reproduce/toy/make_toy_policy.py        # -> ~/.cache/asyncrl/toy-arith-seed1 (common.models.cache_root)
     python algorithms/grpo.py --model ~/.cache/asyncrl/toy-arith-seed1
 
-The tokenizer has one token per printable ASCII character (and newline) plus the special tokens <s>, </s>, <pad>,
-<unk>, <|system|>, <|user|>, <|assistant|>; its chat template renders a user turn as
-``<s><|user|>{text}<|assistant|>`` and an assistant turn as ``{text}</s>``, so the model answers "<sum></s>".
-The warm start trains on the task's training stream (``task.train_rows``, which never yields a held-out problem)
-with the loss on the target tokens only (the answer, or the worked solution), AdamW, and scores the task's held-out
-eval set as the algorithm scripts do (``common.engine.sample``, bf16 autocast, the task's reward).
+The tokenizer has one token per printable ASCII character (and newline) plus the special tokens <s>, </s>, <pad>, <unk>,
+<|system|>, <|user|>, <|assistant|>; its chat template renders a user turn as ``<s><|user|>{text}<|assistant|>`` and an
+assistant turn as ``{text}</s>``, so the model answers "<sum></s>" (the chain task's prompt is raw text, no chat
+template: the expression is the line its first step reads, docs/tasks.md). The warm start trains on the task's training
+stream (``task.train_rows``, which never yields a held-out problem) with the loss on the target tokens only (the answer,
+or the worked solution), AdamW, and scores the task's held-out eval set as the algorithm scripts do
+(``common.engine.sample``, bf16 autocast, the task's reward).
 
-Where it stops is chosen by what RL will start from, not by a step count: the warm start learns addition in a
-steep jump whose position depends on the seed and on the CPU's floating-point kernels, so a fixed step count lands
-far off on some machines. Every --check-every steps it measures the greedy accuracy and the accuracy of one sample per
-problem at --temperature (the reward rate RL starts from) on the held-out problems, and stops at the first check with
-both inside their bands (--band, --sampled-band). If a check jumps over a band, the weights and optimizer state go back
-to the previous check and those steps are replayed with a check after each (training is deterministic, so the
+Where it stops is chosen by what RL will start from, not by a step count: the warm start learns addition in a steep jump
+whose position depends on the seed and on the CPU's floating-point kernels, so a fixed step count lands far off on some
+machines. Every --check-every steps it measures the greedy accuracy on the held-out problems and, once that is in its
+band, the accuracy of one sample per problem at --temperature (the reward rate RL starts from), and stops at the first
+check with both inside their bands (--band, --sampled-band). If a check jumps over a band, the weights and optimizer
+state go back to the previous check and those steps are replayed with a check every --replay-every steps (after each
+step for arithmetic; a coarser replay that jumps over again is replayed step by step; training is deterministic, so the
 replay repeats them). No landing by --max-steps is an error. Then it measures what RL will meet: rollouts at the
-figures' temperature and budget (steps per response, length median and 95th percentile, truncated fraction), the
-seconds of one rollout batch and its updates, and at which step greedy answers first go wrong. The folder gets the
-model, the tokenizer and ``toy_policy.json`` with all of it (the step it stopped at, every check, the bands, the
-config, the machine). Measurements: reproduce/toy/README.md.
+figures' temperature and budget (steps per response, length median and 95th percentile, truncated fraction), the seconds
+of one rollout batch and its updates, and at which step greedy answers first go wrong (with the per-step error rate).
+The folder gets the model, the tokenizer and ``toy_policy.json`` with all of it (the step it stopped at, every check,
+the bands, the config, the machine). Measurements: reproduce/toy/README.md.
 """
 
 import copy
@@ -59,25 +62,50 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 MANIFEST = "toy_policy.json"
-# per task: operand digits, greedy- and sampled-accuracy bands, steps between checks, positions, generation budget,
+# per task: operand digits, greedy- and sampled-accuracy bands, step cap, steps between checks (and between the checks
+# of a replay), batch, micro-batches, learning rate, model shape, positions, generation budget, rollout statistics,
 # folder name
 TASK_DEFAULTS = {
     "arithmetic": {
         "digits": 2,
         "band": (0.28, 0.38),
         "sampled_band": (0.22, 0.32),
+        "max_steps": 3000,
         "check_every": 25,
+        "replay_every": 1,
+        "batch_size": 64,
+        "micro_batches": 1,
+        "learning_rate": 1e-3,
+        "hidden_size": 128,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 4,
+        "intermediate_size": 512,
         "max_position_embeddings": 256,
         "eval_max_new_tokens": 16,
+        "stats_prompts": 64,
+        "stats_samples": 8,
         "name": "toy-arith",
     },
     "chain": {
         "digits": 1,
         "band": (0.25, 0.35),
         "sampled_band": (0.15, 0.35),
-        "check_every": 25,
-        "max_position_embeddings": 384,
+        "max_steps": 3000,
+        "check_every": 200,
+        "replay_every": 25,
+        "batch_size": 32,
+        "micro_batches": 4,
+        "learning_rate": 1e-3,
+        "hidden_size": 96,
+        "num_layers": 2,
+        "num_heads": 3,
+        "num_kv_heads": 3,
+        "intermediate_size": 384,
+        "max_position_embeddings": 256,
         "eval_max_new_tokens": 128,
+        "stats_prompts": 256,
+        "stats_samples": 2,
         "name": "toy-chain",
     },
 }
@@ -93,40 +121,48 @@ class Args:
     non-default --digits; cache root as in common/models.py: $ASYNCRL_CACHE, else $XDG_CACHE_HOME/asyncrl, else
     ~/.cache/asyncrl)"""
     digits: int | None = None
-    """digits per operand of the problems trained and scored on (the scripts' --digits; per task: 2 / 1)"""
+    """the problems' --digits (the scripts' difficulty knob; per task: 2 / 1)"""
     band: tuple[float, float] | None = None
     """greedy held-out accuracy the warm start must land in (LOW HIGH): training stops at the first check inside it;
     the reproduce/ figures assume the default band (per task: 0.28 0.38 / 0.25 0.35)"""
     sampled_band: tuple[float, float] | None = None
     """accuracy of one sample per held-out problem at --temperature (the reward rate RL starts from) that must hold at
     the same check (LOW HIGH; per task: 0.22 0.32 / 0.15 0.35)"""
-    max_steps: int = 3000
-    """step cap: a warm start with no check inside --band and --sampled-band by then is an error"""
+    max_steps: int | None = None
+    """step cap: a warm start with no check inside --band and --sampled-band by then is an error (per task: 3000 /
+    3000)"""
     check_every: int | None = None
     """supervised steps between held-out accuracy checks (a check above a band replays those steps with a check
-    after each; per task: 25 / 25)"""
-    batch_size: int = 64
-    """problems per supervised step"""
-    learning_rate: float = 1e-3
-    """AdamW learning rate (constant after --warmup-steps)"""
+    every --replay-every steps; per task: 25 / 200)"""
+    replay_every: int | None = None
+    """steps between the checks of a replay (1: after every step; a check of a coarser replay that is above a band
+    replays again with a check after every step; per task: 1 / 25)"""
+    batch_size: int | None = None
+    """problems per supervised step (per task: 64 / 32)"""
+    micro_batches: int | None = None
+    """forward/backward passes per supervised step: the step's problems sorted by length and cut into this many
+    parts, so that short ones are not padded to the longest (the same loss, fewer padded tokens; per task: 1 /
+    4)"""
+    learning_rate: float | None = None
+    """AdamW learning rate (constant after --warmup-steps; per task: 1e-3 / 1e-3)"""
     warmup_steps: int = 50
     """linear learning-rate warm-up, in steps (fixed, so a longer run repeats a shorter one's first steps)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
-    hidden_size: int = 128
-    """model width"""
-    num_layers: int = 4
-    """transformer layers"""
-    num_heads: int = 4
-    """attention heads (hidden_size / num_heads must be a multiple of 32 for vLLM's CPU attention)"""
-    num_kv_heads: int = 4
-    """key/value heads (grouped-query attention when fewer than num_heads)"""
-    intermediate_size: int = 512
-    """MLP width"""
+    hidden_size: int | None = None
+    """model width (per task: 128 / 96)"""
+    num_layers: int | None = None
+    """transformer layers (per task: 4 / 2)"""
+    num_heads: int | None = None
+    """attention heads (hidden_size / num_heads must be a multiple of 32 for vLLM's CPU attention; per task: 4 / 3)"""
+    num_kv_heads: int | None = None
+    """key/value heads (grouped-query attention when fewer than num_heads; per task: 4 / 3)"""
+    intermediate_size: int | None = None
+    """MLP width (per task: 512 / 384)"""
     max_position_embeddings: int | None = None
-    """longest sequence the model takes (prompt + response; per task: 256 / 384)"""
+    """longest sequence the model takes (prompt + response; per task: 256 / 256)"""
     eval_size: int = 500
     """held-out problems of the accuracy checks (the reproduce/ figures' --eval-size: their update-0 evaluation
     scores the same problems)"""
@@ -135,10 +171,11 @@ class Args:
     (per task: 16, grpo.py's default / 128)"""
     temperature: float = 0.7
     """sampling temperature of --sampled-band and the rollout statistics (the scripts' default)"""
-    stats_prompts: int = 64
-    """held-out prompts sampled --stats-samples times each for the rollout statistics"""
-    stats_samples: int = 8
-    """samples per prompt for the rollout statistics (the figures' group size)"""
+    stats_prompts: int | None = None
+    """held-out prompts sampled --stats-samples times each for the rollout statistics (per task: 64 / 256: enough
+    problems for the length distribution of chain)"""
+    stats_samples: int | None = None
+    """samples per prompt for the rollout statistics (per task: 8, the figures' group size / 2)"""
     seed: int = 1
     """seed of the initialisation and of the training stream"""
     overwrite: bool = True
@@ -233,16 +270,31 @@ def supervised_batch(task, tokenizer, rows: list[dict]) -> dict:
     return collate(prompts, answers, tokenizer.pad_token_id)
 
 
-def supervised_step(model, optimizer, batch: dict, max_grad_norm: float = 1.0) -> float:
-    """One AdamW step (clipped gradients) on the mean negative log-likelihood of the answer tokens; returns that
-    loss."""
-    logp, _ = response_logprobs(model, batch, with_grad=False)  # tiny vocabulary: no need to checkpoint the head
-    loss = -logp.sum() / batch["response_mask"].sum()
+def supervised_batches(task, tokenizer, rows: list[dict], parts: int = 1) -> list[dict]:
+    """``rows`` as ``parts`` supervised batches: with parts > 1 sorted by prompt + target length and cut into
+    ``parts`` contiguous slices of (nearly) equal size, so that each is padded only to its own longest row."""
+    if parts <= 1:
+        return [supervised_batch(task, tokenizer, rows)]
+    rows = sorted(rows, key=lambda r: len(task.prompt(r)) + len(target(r)))
+    cuts = [len(rows) * k // parts for k in range(parts + 1)]
+    return [supervised_batch(task, tokenizer, rows[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def supervised_step(model, optimizer, batch: dict | list[dict], max_grad_norm: float = 1.0) -> float:
+    """One AdamW step (clipped gradients) on the mean negative log-likelihood of the answer tokens of ``batch`` (or of
+    a list of batches together: gradients accumulate over them); returns that loss."""
+    batches = [batch] if isinstance(batch, dict) else batch
+    tokens = sum(b["response_mask"].sum() for b in batches)
     optimizer.zero_grad()
-    loss.backward()
+    total = 0.0
+    for b in batches:
+        logp, _ = response_logprobs(model, b, with_grad=False)  # tiny vocabulary: no need to checkpoint the head
+        loss = -logp.sum() / tokens
+        loss.backward()
+        total += loss.item()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
-    return loss.item()
+    return total
 
 
 @torch.no_grad()
@@ -401,16 +453,27 @@ def update_seconds(
     }
 
 
-def error_histogram(model, tokenizer, task, max_new_tokens: int) -> dict:
-    """Greedy responses to the held-out problems: how many are wrong, and at which step they first go wrong
-    (first_wrong_step; a wrong response whose every step matches counts as step 0)."""
-    texts = eval_texts(model, tokenizer, task, max_new_tokens, greedy=True)
+def error_histogram(task, texts: list[str]) -> dict:
+    """Of ``texts`` (greedy responses to ``task.eval_rows``, one each): how many are wrong, at which step they first
+    go wrong (first_wrong_step; a wrong response whose every step matches counts as step 0), and for each step k the
+    share of the responses still right before step k that go wrong at k (the per-step error rate: equal rates mean
+    errors spread evenly over the steps, even though fewer responses reach the later ones)."""
     wrong = [(t, r) for t, r in zip(texts, task.eval_rows) if task.reward(t, r) != 1.0]
     hist: dict[int, int] = {}
     for t, r in wrong:
         k = first_wrong_step(t, target(r))
         hist[k] = hist.get(k, 0) + 1
-    return {"wrong": len(wrong), "of": len(texts), "first_wrong_step": dict(sorted(hist.items()))}
+    rates, reached = {}, len(texts)  # reached: the responses with no wrong step before k
+    for k in range(1, max(hist, default=0) + 1):
+        if hist.get(k):
+            rates[k] = round(hist[k] / reached, 3)
+        reached -= hist.get(k, 0)
+    return {
+        "wrong": len(wrong),
+        "of": len(texts),
+        "first_wrong_step": dict(sorted(hist.items())),
+        "wrong_rate_at_step": rates,
+    }
 
 
 def default_out(task: str = "arithmetic", digits: int | None = None, seed: int = 1) -> str:
@@ -462,35 +525,44 @@ def train_into_band(
     max_steps: int,
     check_every: int,
     report=lambda step, scores: None,
+    replay_every: int = 1,
 ) -> tuple[int, dict, list[dict]]:
     """Call ``train_step(step)`` for step = 0, 1, ... and ``score()`` (a dict with a value for every name in
-    ``bands``) after every ``check_every`` steps until a check has every value inside its band (inclusive); returns
-    (steps taken, those scores, every check as {step, **scores}). A check with a value above its band restores
-    ``model`` and ``optimizer`` to the previous check and replays the steps since then with a check after each
-    (``train_step`` must be a function of its step, so the replay repeats them); no check inside the bands within
-    ``max_steps`` steps is a SystemExit."""
+    ``bands``, or None where it was not measured: outside its band, never above it) after every ``check_every``
+    steps until a check has every value inside its band (inclusive); returns (steps taken, those scores, every check
+    as {step, **scores}). A check with a value above its band restores ``model`` and ``optimizer`` to the previous
+    check and replays the steps since then with a check every ``replay_every`` steps (and at the step that jumped),
+    and a check of such a replay (``replay_every`` > 1) that is above a band replays again with a check after each
+    step (``train_step`` must be a function of its step, so a replay repeats them); no check inside the bands
+    within ``max_steps`` steps is a SystemExit."""
     checks: list[dict] = []
     saved = (0, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
-    step = replay_until = 0
+    step, every, origin, until = 0, check_every, 0, 0  # checks at origin + k * every; a replay ends at ``until``
     while step < max_steps:
         train_step(step)
         step += 1
-        if step > replay_until and step % check_every and step != max_steps:
+        if until and step > until:  # the replay is over: back to the regular checks
+            every, origin, until = check_every, 0, 0
+        if (step - origin) % every and step != until and step != max_steps:
             continue
         scores = score()
         checks.append({"step": step, **scores})
         report(step, scores)
-        if all(low <= scores[k] <= high for k, (low, high) in bands.items()):
+        if all(scores[k] is not None and low <= scores[k] <= high for k, (low, high) in bands.items()):
             return step, scores, checks
-        over = any(scores[k] > high for k, (_, high) in bands.items())
-        if over and step > replay_until and step - saved[0] > 1:  # jumped over a band: replay step by step
-            replay_until, step = step, saved[0]
+        over = any(scores[k] is not None and scores[k] > high for k, (_, high) in bands.items())
+        if over and every > 1 and step - saved[0] > 1:  # jumped over a band: replay with finer checks
+            every = replay_every if 1 < replay_every < every else 1
+            origin, until, step = saved[0], step, saved[0]
             model.load_state_dict(saved[1])
             optimizer.load_state_dict(copy.deepcopy(saved[2]))
             continue
         saved = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
     wanted = ", ".join(f"{k} in [{low}, {high}]" for k, (low, high) in bands.items())
-    last = "; ".join(f"step {c['step']}: " + ", ".join(f"{k} {c[k]:.3f}" for k in bands) for c in checks[-4:])
+    last = "; ".join(
+        f"step {c['step']}: " + ", ".join(f"{k} {'-' if c[k] is None else f'{c[k]:.3f}'}" for k in bands)
+        for c in checks[-4:]
+    )
     raise SystemExit(
         f"the warm start never landed in its bands ({wanted}) within --max-steps {max_steps} (last "
         f"checks: {last}); raise --max-steps, widen --band / --sampled-band, or change "
@@ -520,7 +592,9 @@ if __name__ == "__main__":
         min(
             args.max_steps,
             args.check_every,
+            args.replay_every,
             args.batch_size,
+            args.micro_batches,
             args.eval_size,
             args.eval_max_new_tokens,
             args.stats_prompts,
@@ -529,8 +603,8 @@ if __name__ == "__main__":
         < 1
     ):
         raise SystemExit(
-            "--max-steps, --check-every, --batch-size, --eval-size, --eval-max-new-tokens, "
-            "--stats-prompts and --stats-samples must be >= 1"
+            "--max-steps, --check-every, --replay-every, --batch-size, --micro-batches, --eval-size, "
+            "--eval-max-new-tokens, --stats-prompts and --stats-samples must be >= 1"
         )
     if args.learning_rate <= 0 or args.temperature <= 0:
         raise SystemExit(f"--learning-rate and --temperature must be > 0, got {args.learning_rate}, {args.temperature}")
@@ -576,19 +650,25 @@ if __name__ == "__main__":
     def train_step(step: int) -> None:
         for group in optimizer.param_groups:
             group["lr"] = args.learning_rate * min(1.0, (step + 1) / max(1, args.warmup_steps))
-        batch = supervised_batch(task, tokenizer, task.train_rows(step, args.batch_size))
-        losses[step + 1] = supervised_step(model, optimizer, batch, args.max_grad_norm)
+        batches = supervised_batches(task, tokenizer, task.train_rows(step, args.batch_size), args.micro_batches)
+        losses[step + 1] = supervised_step(model, optimizer, batches, args.max_grad_norm)
+
+    greedy_texts: list[str] = []  # the latest check's greedy responses (those of the policy saved, at the end)
 
     def score() -> dict:
-        return {
-            "greedy": greedy_accuracy(model, tokenizer, task, args.eval_max_new_tokens),
-            "sampled": sampled_accuracy(model, tokenizer, task, args.eval_max_new_tokens, args.temperature),
-        }
+        greedy_texts[:] = eval_texts(model, tokenizer, task, args.eval_max_new_tokens, greedy=True)
+        greedy = accuracy_of(task, greedy_texts)
+        # the sampled accuracy only once the greedy one has reached its band (below it, no check can land)
+        sampled = None
+        if greedy >= args.band[0]:
+            sampled = sampled_accuracy(model, tokenizer, task, args.eval_max_new_tokens, args.temperature)
+        return {"greedy": greedy, "sampled": sampled}
 
     def report(step: int, scores: dict) -> None:
+        sampled = "not measured" if scores["sampled"] is None else f"{scores['sampled']:.3f}"
         print(
             f"[toy] step {step}: loss {losses[step]:.4f}, greedy eval accuracy {scores['greedy']:.3f}, sampled "
-            f"{scores['sampled']:.3f} ({time.perf_counter() - t0:.1f}s)",
+            f"{sampled} ({time.perf_counter() - t0:.1f}s)",
             flush=True,
         )
 
@@ -601,6 +681,7 @@ if __name__ == "__main__":
         args.max_steps,
         args.check_every,
         report,
+        args.replay_every,
     )
     seconds = time.perf_counter() - t0
     print(
@@ -621,7 +702,7 @@ if __name__ == "__main__":
         args.seed,
     )
     speed = update_seconds(model, tokenizer, task, 16, 8, args.eval_max_new_tokens, args.temperature)
-    errors = error_histogram(model, tokenizer, task, args.eval_max_new_tokens)
+    errors = error_histogram(task, greedy_texts)
     print(
         f"[toy] rollouts ({rollouts['samples']} at temperature {args.temperature}, {args.eval_max_new_tokens} new "
         f"tokens): {rollouts['steps_mean']:.2f} steps per response, median {rollouts['tokens_median']:.0f} tokens, "
@@ -636,7 +717,9 @@ if __name__ == "__main__":
     )
     print(
         f"[toy] greedy errors: {errors['wrong']} of {errors['of']} wrong; first wrong step: "
-        + ", ".join(f"{k}: {v}" for k, v in errors["first_wrong_step"].items()),
+        + ", ".join(f"{k}: {v}" for k, v in errors["first_wrong_step"].items())
+        + "; per-step error rate: "
+        + ", ".join(f"{k}: {v:.0%}" for k, v in errors["wrong_rate_at_step"].items()),
         flush=True,
     )
     manifest = {
