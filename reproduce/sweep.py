@@ -15,18 +15,23 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "reproduce" / "toy"))
 
-from common.models import cache_root  # noqa: E402
 from common.tracking import format_duration, read_metrics  # noqa: E402
+from make_toy_policy import TASK_DEFAULTS, default_out  # noqa: E402
 
 
 @dataclass
 class SweepArgs:
     """Settings every figure's run script shares (each adds its own)."""
 
+    testbed: Literal["arithmetic", "chain"] = "arithmetic"
+    """the task every run trains and is scored on, with its toy policies: 2-digit addition answered in one line
+    (arithmetic), or chained addition and subtraction worked one operation per line (chain; reproduce/toy/README.md)"""
     model: str = ""
     """policy every run starts from (default: for training seed k, the toy policy built with --seed k, built on first
     use, so the spread over seeds includes that of the warm start)"""
@@ -53,10 +58,26 @@ class SweepArgs:
     also across figures"""
 
 
+def testbed_flags(testbed: str) -> list[str]:
+    """The scripts' flags for a testbed: none for arithmetic (the scripts' defaults); for chain its task, digits and the
+    generation budget its toy policy was measured at (make_toy_policy.TASK_DEFAULTS)."""
+    if testbed == "arithmetic":
+        return []
+    defaults = TASK_DEFAULTS[testbed]
+    return [
+        "--task",
+        testbed,
+        "--digits",
+        str(defaults["digits"]),
+        "--max-new-tokens",
+        str(defaults["eval_max_new_tokens"]),
+    ]
+
+
 def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, tba: bool = False) -> list[str]:
-    """The flags every figure's runs share: the starting policy, seed, budget, lr, evaluation, staleness and batch shape
-    (16 prompts x 8 samples per rollout batch, 4 updates from each = M2PO's recipe; tba.py: 4 prompts x 8 per
-    update from its replay buffer, so both take 32 samples per optimizer update)."""
+    """The flags every figure's runs share: the starting policy, testbed, seed, budget, lr, evaluation, staleness and
+    batch shape (16 prompts x 8 samples per rollout batch, 4 updates from each = M2PO's recipe; tba.py: 4 prompts x 8
+    per update from its replay buffer, so both take 32 samples per optimizer update)."""
     flags = [
         "--model",
         model,
@@ -74,6 +95,7 @@ def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, tba: bool 
         str(staleness),
         "--group-size",
         "8",
+        *testbed_flags(args.testbed),
     ]
     return flags + (["--prompts-per-batch", "4"] if tba else ["--prompts-per-batch", "16", "--updates-per-batch", "4"])
 
@@ -89,9 +111,10 @@ def toy_job(
     tag: str = "",
 ) -> "Job":
     """A run of ``algo`` from ``models[seed]`` (start_policies) with toy_flags plus ``extra`` flags, named
-    <algo>[_<tag>]_s<staleness>_seed<seed> (the tag names the extra flags, so figures that share a configuration share
-    the run)."""
-    name = f"{algo}{'_' + tag if tag else ''}_s{staleness}_seed{seed}"
+    [chain_]<algo>[_<tag>]_s<staleness>_seed<seed> (the tag names the extra flags, so figures that share a
+    configuration share the run; the chain testbed's runs carry its name)."""
+    testbed = "" if args.testbed == "arithmetic" else f"{args.testbed}_"
+    name = f"{testbed}{algo}{'_' + tag if tag else ''}_s{staleness}_seed{seed}"
     return Job(
         name,
         algo,
@@ -125,22 +148,26 @@ def run_sweep(jobs: list["Job"], args: SweepArgs, keys: list[str], out: str | Pa
     )
 
 
-# The starting policy every figure assumes, on the 500 held-out 2-digit additions: its greedy accuracy and the accuracy
-# of one sample per problem at temperature 0.7 (the reward rate RL starts from). These are the toy policy's default
-# bands (reproduce/toy/make_toy_policy.py --band, --sampled-band), which its builder trains into on any CPU.
-START_BANDS = {"greedy": (0.28, 0.38), "sampled": (0.22, 0.32)}
+# The starting policy every figure assumes, per testbed, on its 500 held-out problems: its greedy accuracy and the
+# accuracy of one sample per problem at temperature 0.7 (the reward rate RL starts from). These are the toy policy's
+# default bands (reproduce/toy/make_toy_policy.py --band, --sampled-band), which its builder trains into on any CPU.
+START_BANDS = {
+    task: {"greedy": defaults["band"], "sampled": defaults["sampled_band"]} for task, defaults in TASK_DEFAULTS.items()
+}
 
 
-def toy_policy(seed: int) -> str:
-    """Folder of the toy policy built with ``--seed seed`` (reproduce/toy/make_toy_policy.py, otherwise its defaults),
-    built on first use (minutes; reproduce/toy/README.md)."""
-    path = cache_root() / f"toy-arith-seed{seed}"
+def toy_policy(seed: int, testbed: str = "arithmetic") -> str:
+    """Folder of the toy policy of ``testbed`` built with ``--seed seed`` (reproduce/toy/make_toy_policy.py, otherwise
+    its defaults), built on first use (minutes; reproduce/toy/README.md)."""
+    path = Path(default_out(testbed, seed=seed))
     if not (path / "toy_policy.json").exists():
-        print(f"[sweep] building the toy policy for seed {seed} in {path} (once, minutes)", flush=True)
+        print(f"[sweep] building the {testbed} toy policy for seed {seed} in {path} (once, minutes)", flush=True)
         subprocess.run(
             [
                 sys.executable,
                 str(ROOT / "reproduce" / "toy" / "make_toy_policy.py"),
+                "--task",
+                testbed,
                 "--seed",
                 str(seed),
                 "--out",
@@ -151,20 +178,21 @@ def toy_policy(seed: int) -> str:
     return str(path)
 
 
-def starting_accuracy(model: str, eval_size: int) -> dict:
-    """{greedy, sampled}: accuracy of ``model`` on the first ``eval_size`` held-out 2-digit additions, greedy and with
-    one sample per problem at temperature 0.7, scored as the toy policy's builder scores them (the scripts' sampler,
-    bf16 autocast, the task's reward)."""
-    sys.path.insert(0, str(ROOT / "reproduce" / "toy"))
+def starting_accuracy(model: str, eval_size: int, testbed: str = "arithmetic") -> dict:
+    """{greedy, sampled}: accuracy of ``model`` on the first ``eval_size`` held-out problems of ``testbed``, greedy and
+    with one sample per problem at temperature 0.7, within the testbed's generation budget, scored as the toy policy's
+    builder scores them (the scripts' sampler, bf16 autocast, the task's reward)."""
     from common.models import load_model, load_tokenizer, resolve_model
     from common.tasks import make_task
     from make_toy_policy import greedy_accuracy, sampled_accuracy
 
+    defaults = TASK_DEFAULTS[testbed]
     path = resolve_model(model)
-    policy, tokenizer, task = load_model(path), load_tokenizer(path), make_task("arithmetic", eval_size=eval_size)
+    task = make_task(testbed, digits=defaults["digits"], eval_size=eval_size)
+    policy, tokenizer, budget = load_model(path), load_tokenizer(path), defaults["eval_max_new_tokens"]
     return {
-        "greedy": greedy_accuracy(policy, tokenizer, task),
-        "sampled": sampled_accuracy(policy, tokenizer, task, 16, 0.7),
+        "greedy": greedy_accuracy(policy, tokenizer, task, budget),
+        "sampled": sampled_accuracy(policy, tokenizer, task, budget, 0.7),
     }
 
 
@@ -172,16 +200,17 @@ def start_policies(args: SweepArgs) -> dict[int, str]:
     """{training seed: the policy its runs start from}: --model for every seed, else the toy policy built with that
     seed (toy_policy). Each policy's accuracies are checked against START_BANDS first: a start outside them (a toy
     policy built by an older builder, another model) is an error, or with --any-start a loud warning."""
-    models = {seed: args.model or toy_policy(seed) for seed in args.seeds}
-    bands = ", ".join(f"{k} [{low}, {high}]" for k, (low, high) in START_BANDS.items())
+    models = {seed: args.model or toy_policy(seed, args.testbed) for seed in args.seeds}
+    wanted = START_BANDS[args.testbed]
+    bands = ", ".join(f"{k} [{low}, {high}]" for k, (low, high) in wanted.items())
     outside = []
     for model in sorted(set(models.values())):
-        scores = starting_accuracy(model, args.eval_size)
+        scores = starting_accuracy(model, args.eval_size, args.testbed)
         measured = (
             f"greedy accuracy {scores['greedy']:.3f} and sampled accuracy {scores['sampled']:.3f} "
             f"(temperature 0.7) on {args.eval_size} held-out problems"
         )
-        inside = all(low <= scores[k] <= high for k, (low, high) in START_BANDS.items())
+        inside = all(low <= scores[k] <= high for k, (low, high) in wanted.items())
         print(
             f"[sweep] starting policy {model}: {measured}, {'inside' if inside else 'OUTSIDE'} the figures' bands "
             f"({bands})",
@@ -193,8 +222,8 @@ def start_policies(args: SweepArgs) -> dict[int, str]:
     message = f"the starting policies {', '.join(outside)} are outside the bands the figures assume ({bands})"
     if not args.any_start:
         raise SystemExit(
-            f"{message}. Rebuild them (python reproduce/toy/make_toy_policy.py --seed <k> --out <folder> "
-            f"--overwrite, which trains into those bands), or pass --any-start to run anyway."
+            f"{message}. Rebuild them (python reproduce/toy/make_toy_policy.py --task {args.testbed} --seed <k> "
+            f"--out <folder> --overwrite, which trains into those bands), or pass --any-start to run anyway."
         )
     print(
         f"[sweep] WARNING: {message}; running anyway (--any-start): the figures' READMEs do not describe such a start.",

@@ -87,6 +87,9 @@ def test_toy_flags_and_job_names():
     tba = sweep.toy_job({1: "M"}, args, "tba", 2, 1, {})
     assert tba.name == "tba_s2_seed1" and tba.flags().endswith("--group-size 8 --prompts-per-batch 4")
     assert job.command()[1].endswith("algorithms/m2po.py") and job.command()[-2:] == ["--run-name", job.name]
+    chain = sweep.toy_job({2: "C"}, sweep.SweepArgs(testbed="chain"), "grpo", 0, 2, {})  # the chain testbed: own names
+    assert chain.name == "chain_grpo_s0_seed2"
+    assert "--group-size 8 --task chain --digits 1 --max-new-tokens 128 --prompts-per-batch 16" in chain.flags()
 
 
 def test_run_jobs_refuses_bad_settings_and_runs_with_other_flags(tmp_path):
@@ -211,15 +214,17 @@ def test_start_bands_are_the_toy_policy_defaults():
     sys.path.insert(0, str(ROOT / "reproduce" / "toy"))
     from make_toy_policy import TASK_DEFAULTS
 
-    arithmetic = TASK_DEFAULTS["arithmetic"]
-    assert sweep.START_BANDS == {"greedy": arithmetic["band"], "sampled": arithmetic["sampled_band"]}
+    for testbed in ("arithmetic", "chain"):
+        defaults = TASK_DEFAULTS[testbed]
+        assert sweep.START_BANDS[testbed] == {"greedy": defaults["band"], "sampled": defaults["sampled_band"]}
 
 
 def test_start_policies_check_the_bands(monkeypatch, capsys):
     measured = []
-    monkeypatch.setattr(sweep, "starting_accuracy", lambda model, n: measured.append((model, n)) or scores)
+    monkeypatch.setattr(sweep, "starting_accuracy", lambda model, n, testbed: measured.append((model, n)) or scores)
     args = sweep.SweepArgs(model="M", eval_size=500)
-    (g_low, g_high), (s_low, s_high) = sweep.START_BANDS["greedy"], sweep.START_BANDS["sampled"]
+    bands = sweep.START_BANDS["arithmetic"]
+    (g_low, g_high), (s_low, s_high) = bands["greedy"], bands["sampled"]
     # inclusive (B007 misreads this loop: the patched starting_accuracy above returns the loop's current scores)
     for scores in ({"greedy": g_low, "sampled": s_low}, {"greedy": g_high, "sampled": s_high}):  # noqa: B007
         assert sweep.start_policies(args) == {1: "M", 2: "M", 3: "M"}  # --model: one policy, measured once
@@ -242,18 +247,20 @@ def test_start_policies_check_the_bands(monkeypatch, capsys):
 def test_each_seed_starts_from_its_own_toy_policy(monkeypatch, capsys):
     """Without --model, training seed k starts from the toy policy built with --seed k; each is checked, and the
     error names the ones outside the bands."""
-    monkeypatch.setattr(sweep, "toy_policy", lambda seed: f"toy{seed}")
+    monkeypatch.setattr(sweep, "toy_policy", lambda seed, testbed: f"{testbed}{seed}")
     scores = {
-        "toy1": {"greedy": 0.30, "sampled": 0.25},
-        "toy2": {"greedy": 0.36, "sampled": 0.23},
-        "toy3": {"greedy": 0.12, "sampled": 0.10},
+        "arithmetic1": {"greedy": 0.30, "sampled": 0.25},
+        "arithmetic2": {"greedy": 0.36, "sampled": 0.23},
+        "arithmetic3": {"greedy": 0.12, "sampled": 0.10},
+        "chain1": {"greedy": 0.30, "sampled": 0.18},  # inside chain's bands, below arithmetic's sampled one
     }
-    monkeypatch.setattr(sweep, "starting_accuracy", lambda model, n: scores[model])
-    assert sweep.start_policies(sweep.SweepArgs(seeds=[1, 2])) == {1: "toy1", 2: "toy2"}
-    with pytest.raises(SystemExit, match="the starting policies toy3 are outside"):
+    monkeypatch.setattr(sweep, "starting_accuracy", lambda model, n, testbed: scores[model])
+    assert sweep.start_policies(sweep.SweepArgs(seeds=[1, 2])) == {1: "arithmetic1", 2: "arithmetic2"}
+    with pytest.raises(SystemExit, match="the starting policies arithmetic3 are outside"):
         sweep.start_policies(sweep.SweepArgs(seeds=[1, 2, 3]))
-    job = sweep.toy_job({1: "toy1", 2: "toy2"}, sweep.SweepArgs(), "grpo", 0, 2, {})
-    assert job.flags().startswith("--model toy2 --seed 2 ")
+    assert sweep.start_policies(sweep.SweepArgs(seeds=[1], testbed="chain")) == {1: "chain1"}
+    job = sweep.toy_job({1: "arithmetic1", 2: "arithmetic2"}, sweep.SweepArgs(), "grpo", 0, 2, {})
+    assert job.flags().startswith("--model arithmetic2 --seed 2 ")
 
 
 def test_run_means_averages_each_seed_over_its_rows():
