@@ -100,6 +100,12 @@ def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, tba: bool 
     return flags + (["--prompts-per-batch", "4"] if tba else ["--prompts-per-batch", "16", "--updates-per-batch", "4"])
 
 
+def figure_csv(folder: str | Path, name: str, testbed: str) -> str:
+    """A figure's CSV in ``folder``: <name>.csv for the arithmetic testbed, <name>_<testbed>.csv for another (so a run
+    on the chain testbed never overwrites the committed arithmetic results)."""
+    return str(Path(folder) / f"{name}{'' if testbed == 'arithmetic' else '_' + testbed}.csv")
+
+
 def toy_job(
     models: dict[int, str],
     args: SweepArgs,

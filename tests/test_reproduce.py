@@ -3,6 +3,7 @@ version of a run script end to end (runs, CSV, plot, reuse of finished runs)."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -87,6 +88,8 @@ def test_toy_flags_and_job_names():
     tba = sweep.toy_job({1: "M"}, args, "tba", 2, 1, {})
     assert tba.name == "tba_s2_seed1" and tba.flags().endswith("--group-size 8 --prompts-per-batch 4")
     assert job.command()[1].endswith("algorithms/m2po.py") and job.command()[-2:] == ["--run-name", job.name]
+    assert sweep.figure_csv("f", "m2po_staleness", "arithmetic") == os.path.join("f", "m2po_staleness.csv")
+    assert sweep.figure_csv("f", "m2po_staleness", "chain") == os.path.join("f", "m2po_staleness_chain.csv")
     chain = sweep.toy_job({2: "C"}, sweep.SweepArgs(testbed="chain"), "grpo", 0, 2, {})  # the chain testbed: own names
     assert chain.name == "chain_grpo_s0_seed2"
     assert "--group-size 8 --task chain --digits 1 --max-new-tokens 128 --prompts-per-batch 16" in chain.flags()

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, collect, run_jobs, select, start_policies, toy_job, write_csv
+from sweep import Job, SweepArgs, collect, figure_csv, run_jobs, select, start_policies, toy_job, write_csv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = [
@@ -44,8 +44,9 @@ class Args(SweepArgs):
     """updates per throughput run (no evaluation)"""
     throughput_seeds: list[int] = field(default_factory=lambda: [1, 2])
     """seeds of the throughput runs"""
-    out: str = os.path.join(HERE, "areal_eta.csv")
-    """the CSV of every run's metrics (the plot reads it)"""
+    out: str = ""
+    """the CSV of every run's metrics, which the plot reads (default: areal_eta.csv here; with --testbed chain:
+    areal_eta_chain.csv)"""
 
 
 def jobs(args: Args, models: dict[int, str]) -> tuple[list[Job], list[Job]]:
@@ -84,6 +85,7 @@ def jobs(args: Args, models: dict[int, str]) -> tuple[list[Job], list[Job]]:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    args.out = args.out or figure_csv(HERE, "areal_eta", args.testbed)
     accuracy, throughput = jobs(args, start_policies(args))
     if args.only:  # one row (or part) of the figure
         picked = {j.name for j in select(accuracy + throughput, args.only)}

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, run_sweep, start_policies, toy_job
+from sweep import Job, SweepArgs, figure_csv, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SWITCHES = ["overlong-filtering", "clip-higher", "overlong-shaping", "token-level-loss", "dynamic-sampling"]
@@ -48,8 +48,9 @@ KEYS = [
 class Args(SweepArgs):
     staleness: int = 0
     """exact lag of every row (the paper's ablation is synchronous)"""
-    out: str = os.path.join(HERE, "dapo_ablation.csv")
-    """the CSV of every run's metrics (the plot reads it)"""
+    out: str = ""
+    """the CSV of every run's metrics, which the plot reads (default: dapo_ablation.csv here; with --testbed chain:
+    dapo_ablation_chain.csv)"""
 
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
@@ -65,4 +66,5 @@ def jobs(args: Args, models: dict[int, str]) -> list[Job]:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    args.out = args.out or figure_csv(HERE, "dapo_ablation", args.testbed)
     run_sweep(jobs(args, start_policies(args)), args, KEYS, args.out)

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, run_sweep, start_policies, toy_job
+from sweep import Job, SweepArgs, figure_csv, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # configuration label -> (script, staleness, extra flags, run-name tag)
@@ -44,8 +44,9 @@ KEYS = [
 
 @dataclass
 class Args(SweepArgs):
-    out: str = os.path.join(HERE, "m2po_staleness.csv")
-    """the CSV of every run's metrics (the plot reads it)"""
+    out: str = ""
+    """the CSV of every run's metrics, which the plot reads (default: m2po_staleness.csv here; with --testbed chain:
+    m2po_staleness_chain.csv)"""
 
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
@@ -58,4 +59,5 @@ def jobs(args: Args, models: dict[int, str]) -> list[Job]:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    args.out = args.out or figure_csv(HERE, "m2po_staleness", args.testbed)
     run_sweep(jobs(args, start_policies(args)), args, KEYS, args.out)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tyro
 
-from sweep import Job, SweepArgs, run_sweep, start_policies, toy_job
+from sweep import Job, SweepArgs, figure_csv, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "tba", "vineppo"]
@@ -38,8 +38,9 @@ class Args(SweepArgs):
     """algorithm scripts to run"""
     staleness: list[int] = field(default_factory=lambda: [0, 16, 64, 256])
     """staleness values s (exact lag in updates; tba: sync period)"""
-    out: str = os.path.join(HERE, "side_by_side.csv")
-    """the CSV of every run's metrics (the plot reads it)"""
+    out: str = ""
+    """the CSV of every run's metrics, which the plot reads (default: side_by_side.csv here; with --testbed chain:
+    side_by_side_chain.csv)"""
 
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
@@ -53,6 +54,7 @@ def jobs(args: Args, models: dict[int, str]) -> list[Job]:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    args.out = args.out or figure_csv(HERE, "side_by_side", args.testbed)
     unknown = sorted(set(args.algos) - set(ALGOS))
     if unknown:
         raise SystemExit(f"unknown --algos {unknown}; choose from {ALGOS}")
