@@ -82,7 +82,7 @@ class Args:
     task: Literal["arithmetic", "chain", "gsm8k", "math", "deepscaler", "dapo17k"] = "arithmetic"
     """the training task: procedural addition (arithmetic) or chained arithmetic (chain), or a dataset"""
     digits: int = 2
-    """arithmetic and chain tasks: digits per operand (their difficulty)"""
+    """difficulty of the generated tasks: digits per operand (arithmetic), digits of the running value (chain)"""
     data_path: str | None = None
     """a local copy of the training set: a json/jsonl/parquet file, or a folder with train.* (default: the hub)"""
     eval_task: Literal["gsm8k", "math500", "aime24", "amc23", "minerva", "olympiadbench"] | None = None
