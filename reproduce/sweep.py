@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "reproduce" / "toy"))
 
+from common.models import load_model, load_tokenizer, resolve_model  # noqa: E402
+from common.tasks import make_task  # noqa: E402
 from common.tracking import format_duration, read_metrics  # noqa: E402
-from make_toy_policy import TASK_DEFAULTS, default_out  # noqa: E402
+from make_toy_policy import TASK_DEFAULTS, default_out, greedy_accuracy, sampled_accuracy  # noqa: E402
 
 
 @dataclass
@@ -188,10 +190,6 @@ def starting_accuracy(model: str, eval_size: int, testbed: str = "arithmetic") -
     """{greedy, sampled}: accuracy of ``model`` on the first ``eval_size`` held-out problems of ``testbed``, greedy and
     with one sample per problem at temperature 0.7, within the testbed's generation budget, scored as the toy policy's
     builder scores them (the scripts' sampler, bf16 autocast, the task's reward)."""
-    from common.models import load_model, load_tokenizer, resolve_model
-    from common.tasks import make_task
-    from make_toy_policy import greedy_accuracy, sampled_accuracy
-
     defaults = TASK_DEFAULTS[testbed]
     path = resolve_model(model)
     task = make_task(testbed, digits=defaults["digits"], eval_size=eval_size)
