@@ -1,6 +1,7 @@
 """reproduce/: the sweep helpers (reproduce/sweep.py), every figure's plot script on its committed CSV, and a tiny
 version of a run script end to end (runs, CSV, plot, reuse of finished runs)."""
 
+import importlib.util
 import json
 import math
 import os
@@ -118,12 +119,18 @@ def test_run_jobs_stops_on_a_failing_run_with_its_log(tmp_path):
     assert "no-such-flag" in str(err.value) and not (tmp_path / "runs" / "bad" / "done").exists()
 
 
+# every committed set of results: each figure's arithmetic CSV, and its chain CSV where one is committed
+COMMITTED = [(name, "arithmetic") for name in FIGURES] + [
+    (name, "chain") for name in FIGURES if (ROOT / "reproduce" / name / f"{name}_chain.csv").exists()
+]
+
+
 @pytest.mark.run
-@pytest.mark.parametrize("name", FIGURES)
-def test_plot_script_draws_the_committed_csv(name, tmp_path):
+@pytest.mark.parametrize("name,testbed", COMMITTED)
+def test_plot_script_draws_the_committed_csv(name, testbed, tmp_path):
     png = tmp_path / f"{name}.png"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "reproduce" / name / "plot.py"), "--png", str(png)],
+        [sys.executable, str(ROOT / "reproduce" / name / "plot.py"), "--testbed", testbed, "--png", str(png)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -276,3 +283,30 @@ def test_run_means_averages_each_seed_over_its_rows():
     ]
     assert sorted(sweep.run_means(rows, "row", "a", "x")) == [2.0, 5.0]
     assert sweep.run_means(rows, "row", "c", "x") == []
+
+
+def test_parse_fills_the_testbed_settings(monkeypatch):
+    for argv, lr, every in [
+        ([], 1e-4, 40),
+        (["--testbed", "chain"], 3e-5, 80),
+        (["--testbed", "chain", "--learning-rate", "1e-4", "--eval-every", "10"], 1e-4, 10),
+    ]:
+        monkeypatch.setattr(sys, "argv", ["run.py", *argv])
+        args = sweep.parse(sweep.SweepArgs)
+        assert (args.learning_rate, args.eval_every) == (lr, every)
+
+
+def test_m2po_staleness_runs_each_learning_rate_under_its_own_names():
+    spec = importlib.util.spec_from_file_location("m2po_run", ROOT / "reproduce" / "m2po_staleness" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    assert [run.lr_tag(lr) for lr in (1e-4, 3e-5, 2.5e-5)] == ["lr1e-4", "lr3e-5", "lr2.5e-5"]
+    args = run.Args(testbed="chain", learning_rate=3e-5, eval_every=80, other_learning_rates=[1e-4, 1e-5])
+    jobs = run.jobs(args, {1: "P1", 2: "P2", 3: "P3"})
+    assert len(jobs) == 5 * 3 + 2 * 4 * 3 and len({j.name for j in jobs}) == len(jobs)
+    by_name = {j.name: j for j in jobs}
+    main = by_name["chain_grpo_s0_seed1"]  # the main lr keeps the name other figures share
+    assert "--learning-rate 3e-05" in main.flags() and main.labels == {"config": "GRPO s=0", "lr": 3e-5, "seed": 1}
+    other = by_name["chain_m2po_notr_lr1e-5_s256_seed3"]
+    assert "--learning-rate 1e-05" in other.flags() and "--no-trust-region" in other.flags()
+    assert not any("m2po_lr" in j.name and "_s0_" in j.name for j in jobs)  # M2PO s=0 only at the main lr

@@ -1,7 +1,7 @@
 """Draw areal_eta.png: (a) final accuracy vs eta for naive PPO and the decoupled loss, (b) throughput vs eta; print
 the numbers.
 
-    python reproduce/areal_eta/plot.py [--csv areal_eta.csv] [--png areal_eta.png]
+    python reproduce/areal_eta/plot.py [--testbed chain] [--csv areal_eta.csv] [--png areal_eta.png]
 """
 
 import os
@@ -32,7 +32,7 @@ def throughput(rows: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    args = plot_args(os.path.join(HERE, "areal_eta.csv"), os.path.join(HERE, "areal_eta.png"))
+    args = plot_args(HERE, "areal_eta")
     rows = read_csv(args.csv)
     acc_rows = [dict(r, key=(r["loss"], int(r["eta"]))) for r in rows if r["part"] == "accuracy"]
     final = final_values(acc_rows, "key", "eval/accuracy")

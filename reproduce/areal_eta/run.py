@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tyro
-
-from sweep import Job, SweepArgs, collect, figure_csv, run_jobs, select, start_policies, toy_job, write_csv
+from sweep import Job, SweepArgs, collect, figure_csv, parse, run_jobs, select, start_policies, toy_job, write_csv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = [
@@ -84,7 +82,7 @@ def jobs(args: Args, models: dict[int, str]) -> tuple[list[Job], list[Job]]:
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = parse(Args)
     args.out = args.out or figure_csv(HERE, "areal_eta", args.testbed)
     accuracy, throughput = jobs(args, start_policies(args))
     if args.only:  # one row (or part) of the figure

@@ -1,7 +1,7 @@
 """Draw dapo_ablation.png: (a) final accuracy of each row of the ladder, (b) entropy with and without clip-higher;
 print the table.
 
-    python reproduce/dapo_ablation/plot.py [--csv dapo_ablation.csv] [--png dapo_ablation.png]
+    python reproduce/dapo_ablation/plot.py [--testbed chain] [--csv dapo_ablation.csv] [--png dapo_ablation.png]
 """
 
 import os
@@ -24,7 +24,7 @@ PAPER = [30, 36, 38, 41, 42, 50]  # DAPO Table 1: AIME 2024 avg@32 of Qwen2.5-32
 
 
 if __name__ == "__main__":
-    args = plot_args(os.path.join(HERE, "dapo_ablation.csv"), os.path.join(HERE, "dapo_ablation.png"))
+    args = plot_args(HERE, "dapo_ablation")
     rows = read_csv(args.csv)
     final = final_values(rows, "row", "eval/accuracy")
     start = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r and r["global_step"] == 0]

@@ -9,15 +9,14 @@ as there (shared through --work-dir). "No trust region" is m2po.py --no-trust-re
 policy gradient of the M2PO paper's ablation, no clip and no mask.
 """
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tyro
-
-from sweep import Job, SweepArgs, figure_csv, run_sweep, start_policies, toy_job
+from sweep import Job, SweepArgs, figure_csv, parse, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # configuration label -> (script, staleness, extra flags, run-name tag)
@@ -42,22 +41,59 @@ KEYS = [
 ]
 
 
+# the configurations also run at each of --other-learning-rates
+LR_SWEEP = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=256"]
+
+
 @dataclass
 class Args(SweepArgs):
+    other_learning_rates: list[float] | None = None
+    """learning rates besides --learning-rate at which the configurations of LR_SWEEP (all but M2PO s=0) also run, to
+    see the trust region at other drifts (default: 1e-4 and 1e-5 with --testbed chain, none on arithmetic)"""
     out: str = ""
     """the CSV of every run's metrics, which the plot reads (default: m2po_staleness.csv here; with --testbed chain:
     m2po_staleness_chain.csv)"""
 
 
+def lr_tag(lr: float) -> str:
+    """A learning rate as a run-name tag: 1e-4 -> lr1e-4, 2.5e-05 -> lr2.5e-5."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"lr{float(mantissa):g}e{int(exponent)}"
+
+
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
-    return [
-        toy_job(models, args, algo, s, seed, {"config": name}, extra, tag)
+    out = [
+        toy_job(models, args, algo, s, seed, {"config": name, "lr": args.learning_rate}, extra, tag)
         for name, (algo, s, extra, tag) in CONFIGS.items()
         for seed in args.seeds
     ]
+    for lr in args.other_learning_rates:  # the same runs at another lr; its tag keeps their names apart
+        at_lr = dataclasses.replace(args, learning_rate=lr)
+        out += [
+            toy_job(
+                models,
+                at_lr,
+                algo,
+                s,
+                seed,
+                {"config": name, "lr": lr},
+                extra,
+                "_".join(filter(None, (tag, lr_tag(lr)))),
+            )
+            for name, (algo, s, extra, tag) in CONFIGS.items()
+            if name in LR_SWEEP
+            for seed in args.seeds
+        ]
+    return out
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = parse(Args)
+    if args.other_learning_rates is None:
+        args.other_learning_rates = [1e-4, 1e-5] if args.testbed == "chain" else []
+    if args.learning_rate in args.other_learning_rates:
+        raise SystemExit(
+            f"--other-learning-rates {args.other_learning_rates} repeats --learning-rate {args.learning_rate}"
+        )
     args.out = args.out or figure_csv(HERE, "m2po_staleness", args.testbed)
     run_sweep(jobs(args, start_policies(args)), args, KEYS, args.out)

@@ -1,6 +1,6 @@
 """Draw side_by_side.png (greedy accuracy vs update, one panel per staleness) and print the table of final accuracy.
 
-python reproduce/side_by_side/plot.py [--csv side_by_side.csv] [--png side_by_side.png]
+python reproduce/side_by_side/plot.py [--testbed chain] [--csv side_by_side.csv] [--png side_by_side.png]
 """
 
 import os
@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "tba", "vineppo"]
 
 if __name__ == "__main__":
-    args = plot_args(os.path.join(HERE, "side_by_side.csv"), os.path.join(HERE, "side_by_side.png"))
+    args = plot_args(HERE, "side_by_side")
     rows = read_csv(args.csv)
     stalenesses = sorted({int(r["staleness"]) for r in rows})
     start = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r and r["global_step"] == 0]

@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tyro
-
-from sweep import Job, SweepArgs, figure_csv, run_sweep, start_policies, toy_job
+from sweep import Job, SweepArgs, figure_csv, parse, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "tba", "vineppo"]
@@ -53,7 +51,7 @@ def jobs(args: Args, models: dict[int, str]) -> list[Job]:
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = parse(Args)
     args.out = args.out or figure_csv(HERE, "side_by_side", args.testbed)
     unknown = sorted(set(args.algos) - set(ALGOS))
     if unknown:

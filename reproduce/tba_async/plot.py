@@ -1,7 +1,7 @@
 """Draw tba_async.png: (a) accuracy vs wall-clock for TBA and synchronous GRPO, (b) accuracy vs update for each
 recency probability m; print the numbers.
 
-    python reproduce/tba_async/plot.py [--csv tba_async.csv] [--png tba_async.png]
+    python reproduce/tba_async/plot.py [--testbed chain] [--csv tba_async.csv] [--png tba_async.png]
 """
 
 import os
@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ORDER = ["GRPO (synchronous)", "TBA k=2, m=0.5", "TBA k=2, m=0.95", "TBA k=2, m=1.0", "TBA k=16, m=0.95"]
 
 if __name__ == "__main__":
-    args = plot_args(os.path.join(HERE, "tba_async.csv"), os.path.join(HERE, "tba_async.png"))
+    args = plot_args(HERE, "tba_async")
     rows = read_csv(args.csv)
     minutes = [dict(r, minutes=r["time/elapsed"] / 60) for r in rows if "time/elapsed" in r]
     fig, (wall, upd) = figure(2, width=5.2)

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tyro
-
-from sweep import Job, SweepArgs, figure_csv, run_sweep, start_policies, toy_job
+from sweep import Job, SweepArgs, figure_csv, parse, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # configuration label -> (script, staleness / sync period, extra flags, run-name tag)
@@ -55,6 +53,6 @@ def jobs(args: Args, models: dict[int, str]) -> list[Job]:
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = parse(Args)
     args.out = args.out or figure_csv(HERE, "tba_async", args.testbed)
     run_sweep(jobs(args, start_policies(args)), args, KEYS, args.out)

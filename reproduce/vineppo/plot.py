@@ -1,7 +1,7 @@
 """Draw vineppo.png: (a) accuracy vs update and (b) vs wall-clock for MC values (VinePPO) and a learned critic (PPO),
 (c) each estimator's value against the truth per state (value_prediction_states.csv); print the numbers.
 
-    python reproduce/vineppo/plot.py [--csv vineppo.csv] [--png vineppo.png]
+    python reproduce/vineppo/plot.py [--testbed chain] [--csv vineppo.csv] [--png vineppo.png]
 """
 
 import os
@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ORDER = ["MC (VinePPO)", "critic (PPO)"]
 
 if __name__ == "__main__":
-    args = plot_args(os.path.join(HERE, "vineppo.csv"), os.path.join(HERE, "vineppo.png"))
+    args = plot_args(HERE, "vineppo")
     rows = read_csv(args.csv)
     fig, (upd, wall, val) = figure(3)
     plot_curves(upd, rows, "estimator", "eval/accuracy", order=ORDER, scale=100)

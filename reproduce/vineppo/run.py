@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tyro
-
-from sweep import Job, SweepArgs, figure_csv, run_sweep, start_policies, toy_job
+from sweep import Job, SweepArgs, figure_csv, parse, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = [
@@ -48,6 +46,6 @@ def jobs(args: Args, models: dict[int, str]) -> list[Job]:
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
+    args = parse(Args)
     args.out = args.out or figure_csv(HERE, "vineppo", args.testbed)
     run_sweep(jobs(args, start_policies(args)), args, KEYS, args.out)
