@@ -83,26 +83,24 @@ def parse(cls: type) -> SweepArgs:
     return args
 
 
-def testbed_flags(testbed: str) -> list[str]:
+def testbed_flags(testbed: str, algo: str = "") -> list[str]:
     """The scripts' flags for a testbed: none for arithmetic (the scripts' defaults); for chain its task, digits and the
-    generation budget its toy policy was measured at (make_toy_policy.TASK_DEFAULTS)."""
+    generation budget its toy policy was measured at (make_toy_policy.TASK_DEFAULTS), and for dapo.py an overlong
+    buffer of a quarter of that budget, the share its default (4 of the 16 tokens) has on arithmetic (the DAPO
+    paper: 4096 of 20480, a fifth)."""
     if testbed == "arithmetic":
         return []
     defaults = TASK_DEFAULTS[testbed]
-    return [
-        "--task",
-        testbed,
-        "--digits",
-        str(defaults["digits"]),
-        "--max-new-tokens",
-        str(defaults["eval_max_new_tokens"]),
-    ]
+    budget = defaults["eval_max_new_tokens"]
+    flags = ["--task", testbed, "--digits", str(defaults["digits"]), "--max-new-tokens", str(budget)]
+    return flags + (["--overlong-buffer", str(budget // 4)] if algo == "dapo" else [])
 
 
-def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, tba: bool = False) -> list[str]:
+def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, algo: str = "") -> list[str]:
     """The flags every figure's runs share: the starting policy, testbed, seed, budget, lr, evaluation, staleness and
     batch shape (16 prompts x 8 samples per rollout batch, 4 updates from each = M2PO's recipe; tba.py: 4 prompts x 8
-    per update from its replay buffer, so both take 32 samples per optimizer update)."""
+    per update from its replay buffer, so both take 32 samples per optimizer update), and the testbed's flags for
+    ``algo`` (testbed_flags)."""
     flags = [
         "--model",
         model,
@@ -120,9 +118,10 @@ def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, tba: bool 
         str(staleness),
         "--group-size",
         "8",
-        *testbed_flags(args.testbed),
+        *testbed_flags(args.testbed, algo),
     ]
-    return flags + (["--prompts-per-batch", "4"] if tba else ["--prompts-per-batch", "16", "--updates-per-batch", "4"])
+    shape = ["--prompts-per-batch", "4"] if algo == "tba" else ["--prompts-per-batch", "16", "--updates-per-batch", "4"]
+    return flags + shape
 
 
 def figure_csv(folder: str | Path, name: str, testbed: str) -> str:
@@ -149,7 +148,7 @@ def toy_job(
     return Job(
         name,
         algo,
-        toy_flags(models[seed], args, seed, staleness, tba=algo == "tba") + list(extra),
+        toy_flags(models[seed], args, seed, staleness, algo) + list(extra),
         {**labels, "seed": seed},
     )
 

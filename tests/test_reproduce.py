@@ -94,6 +94,9 @@ def test_toy_flags_and_job_names():
     chain = sweep.toy_job({2: "C"}, sweep.SweepArgs(testbed="chain"), "grpo", 0, 2, {})  # the chain testbed: own names
     assert chain.name == "chain_grpo_s0_seed2"
     assert "--group-size 8 --task chain --digits 1 --max-new-tokens 128 --prompts-per-batch 16" in chain.flags()
+    dapo = sweep.toy_job({2: "C"}, sweep.SweepArgs(testbed="chain"), "dapo", 0, 2, {})  # overlong buffer: 1/4 budget
+    assert "--max-new-tokens 128 --overlong-buffer 32 --prompts-per-batch 16" in dapo.flags()
+    assert "--overlong-buffer" not in sweep.toy_job({2: "C"}, args, "dapo", 0, 2, {}).flags()
 
 
 def test_run_jobs_refuses_bad_settings_and_runs_with_other_flags(tmp_path):

@@ -1,5 +1,5 @@
-"""Draw dapo_ablation.png: (a) final accuracy of each row of the ladder, (b) entropy with and without clip-higher;
-print the table.
+"""Draw dapo_ablation.png: (a) final accuracy of each row of the ladder, (b) entropy with and without clip-higher,
+(c) the fraction of clipped tokens and (d) of truncated responses over training, per row; print the table.
 
     python reproduce/dapo_ablation/plot.py [--testbed chain] [--csv dapo_ablation.csv] [--png dapo_ablation.png]
 """
@@ -28,7 +28,7 @@ if __name__ == "__main__":
     rows = read_csv(args.csv)
     final = final_values(rows, "row", "eval/accuracy")
     start = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r and r["global_step"] == 0]
-    fig, (bars, ent) = figure(2, width=5.2)
+    fig, (bars, ent, clip, trunc) = figure(4, width=5.2)
     stats = [mean_sd(final[r]) for r in ROWS]
     bars.bar(
         range(len(ROWS)),
@@ -61,7 +61,15 @@ if __name__ == "__main__":
         ylabel="mean token entropy (nats)",
     )
     ent.legend(fontsize=8)
-    for ax in (bars, ent):
+    # the rows' footprints: tokens the clip removes (clip-higher frees some), responses cut at the budget (what
+    # overlong filtering drops and the soft punishment discourages)
+    plot_curves(clip, rows, "row", "losses/clipfrac", order=ROWS, scale=100)
+    clip.set(title="(c) clipped tokens", xlabel="optimizer update", ylabel="% of tokens")
+    plot_curves(trunc, rows, "row", "charts/truncated_frac", order=ROWS, scale=100)
+    trunc.set(title="(d) responses cut at the generation budget", xlabel="optimizer update", ylabel="% of responses")
+    for ax in (clip, trunc):
+        ax.legend(fontsize=7)
+    for ax in (bars, ent, clip, trunc):
         ax.grid(alpha=0.3)
     save(fig, args.png)
     table = []
@@ -79,6 +87,9 @@ if __name__ == "__main__":
                 r,
                 pm(final[r]),
                 pm(run_means(rows, "row", r, "losses/entropy"), scale=1, digits=3),
+                pm(run_means(rows, "row", r, "losses/clipfrac"), digits=2),
+                pm(run_means(rows, "row", r, "charts/truncated_frac"), digits=1),
+                f"{mean_sd(run_means(rows, 'row', r, 'charts/response_length_mean'))[0]:.1f}",
                 f"{mean_sd(filt)[0] * 100:.2f}" if filt else "-",
                 f"{mean_sd(pen)[0]:.4f}" if pen else "-",
                 f"{mean_sd(kept)[0] * 100:.0f}" if kept and r == ROWS[-1] else "-",
@@ -91,6 +102,9 @@ if __name__ == "__main__":
                 "row",
                 "final accuracy (%)",
                 "mean entropy",
+                "clipped tokens (%)",
+                "truncated responses (%)",
+                "mean response length (tokens)",
                 "overlong-filtered samples (%)",
                 "mean overlong penalty",
                 "groups kept by dynamic sampling (%)",

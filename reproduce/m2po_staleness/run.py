@@ -1,12 +1,15 @@
 """M2PO's staleness figure at toy scale: GRPO at s = 0 and 256, no trust region at s = 256, M2PO at s = 0 and 256.
 
-    python reproduce/m2po_staleness/run.py          # 5 configurations x 3 seeds = 15 runs of 320 updates
-    python reproduce/m2po_staleness/plot.py         # -> m2po_staleness.png and the numbers in README.md
+    python reproduce/m2po_staleness/run.py                  # 2-digit addition: 5 configurations x 3 seeds, lr 1e-4
+    python reproduce/m2po_staleness/run.py --testbed chain  # chain: the same at lr 3e-5, and all but M2PO s=0 at
+                                                            # 1e-4 and 1e-5 too (39 runs)
+    python reproduce/m2po_staleness/plot.py [--testbed chain]  # -> the PNG and the numbers in README.md
 
 Same task, batch shape and budget as the side-by-side figure (sweep.toy_flags): 16 prompts x 8 samples per rollout
-batch, 4 updates from each, exact lag --staleness s, lr 1e-4, 320 updates; the GRPO and M2PO runs are the same runs
-as there (shared through --work-dir). "No trust region" is m2po.py --no-trust-region: the plain importance-weighted
-policy gradient of the M2PO paper's ablation, no clip and no mask.
+batch, 4 updates from each, exact lag --staleness s, the testbed's learning rate (sweep.TESTBED_SETTINGS), 320
+updates; the runs at that learning rate are the same runs as there (shared through --work-dir), those at the other
+learning rates carry the lr in their names. "No trust region" is m2po.py --no-trust-region: the plain
+importance-weighted policy gradient of the M2PO paper's ablation, no clip and no mask.
 """
 
 import dataclasses
