@@ -25,6 +25,14 @@ from sweep import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def lr_text(lr: float) -> str:
+    """A learning rate as 1e-4, 3e-5 (the way the commands write it)."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
 ORDER = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=0", "M2PO s=256"]
 
 
@@ -39,7 +47,7 @@ if __name__ == "__main__":
     fig, axes = figure(4 if len(lrs) > 1 else 3)
     acc, frac, m2 = axes[:3]
     plot_curves(acc, rows, "config", "eval/accuracy", order=ORDER, scale=100)
-    at = f" (lr {main_lr:g})" if main_lr else ""
+    at = f" (lr {lr_text(main_lr)})" if main_lr else ""
     acc.set(title=f"(a) greedy accuracy{at}", xlabel="optimizer update", ylabel="accuracy on 500 held-out problems (%)")
     # GRPO's clipped tokens vs M2PO's masked tokens (the trust region's footprint): losses/clipfrac in both scripts
     grpo = [dict(r, config=r["config"] + " clipped") for r in rows if r["config"].startswith("GRPO")]
@@ -96,7 +104,7 @@ if __name__ == "__main__":
             bound = run_means(group, "config", c, "m2po/constrained_frac") if c.startswith("M2PO") else []
             peaks = curves(group, "config", "eval/accuracy")[c]
             table.append(
-                ([f"{lr:g}"] if lr is not None else [])
+                ([lr_text(lr)] if lr is not None else [])
                 + [
                     c,
                     pm(final[(c, lr)]),
@@ -124,5 +132,5 @@ if __name__ == "__main__":
     )
     print(
         "final accuracy per seed (%):",
-        {f"{c} lr {lr:g}" if lr else c: [round(v * 100, 1) for v in vals] for (c, lr), vals in final.items()},
+        {f"{c} lr {lr_text(lr)}" if lr else c: [round(v * 100, 1) for v in vals] for (c, lr), vals in final.items()},
     )
