@@ -124,6 +124,12 @@ def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, algo: str 
     return flags + shape
 
 
+def lr_text(lr: float) -> str:
+    """A learning rate the way the commands write it: 1e-4, 3e-5, 2.5e-5."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
 def figure_csv(folder: str | Path, name: str, testbed: str) -> str:
     """A figure's CSV in ``folder``: <name>.csv for the arithmetic testbed, <name>_<testbed>.csv for another (so a run
     on the chain testbed never overwrites the committed arithmetic results)."""

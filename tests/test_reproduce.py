@@ -303,7 +303,7 @@ def test_m2po_staleness_runs_each_learning_rate_under_its_own_names():
     spec = importlib.util.spec_from_file_location("m2po_run", ROOT / "reproduce" / "m2po_staleness" / "run.py")
     run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run)
-    assert [run.lr_tag(lr) for lr in (1e-4, 3e-5, 2.5e-5)] == ["lr1e-4", "lr3e-5", "lr2.5e-5"]
+    assert [sweep.lr_text(lr) for lr in (1e-4, 3e-5, 2.5e-5)] == ["1e-4", "3e-5", "2.5e-5"]
     args = run.Args(testbed="chain", learning_rate=3e-5, eval_every=80, other_learning_rates=[1e-4, 1e-5])
     jobs = run.jobs(args, {1: "P1", 2: "P2", 3: "P3"})
     assert len(jobs) == 5 * 3 + 2 * 4 * 3 and len({j.name for j in jobs}) == len(jobs)

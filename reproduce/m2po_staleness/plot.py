@@ -14,6 +14,7 @@ from sweep import (
     curves,
     figure,
     final_values,
+    lr_text,
     markdown_table,
     mean_sd,
     plot_args,
@@ -25,12 +26,6 @@ from sweep import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def lr_text(lr: float) -> str:
-    """A learning rate as 1e-4, 3e-5 (the way the commands write it)."""
-    mantissa, exponent = f"{lr:e}".split("e")
-    return f"{float(mantissa):g}e{int(exponent)}"
 
 
 ORDER = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=0", "M2PO s=256"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sweep import Job, SweepArgs, figure_csv, parse, run_sweep, start_policies, toy_job
+from sweep import Job, SweepArgs, figure_csv, lr_text, parse, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # configuration label -> (script, staleness, extra flags, run-name tag)
@@ -58,12 +58,6 @@ class Args(SweepArgs):
     m2po_staleness_chain.csv)"""
 
 
-def lr_tag(lr: float) -> str:
-    """A learning rate as a run-name tag: 1e-4 -> lr1e-4, 2.5e-05 -> lr2.5e-5."""
-    mantissa, exponent = f"{lr:e}".split("e")
-    return f"lr{float(mantissa):g}e{int(exponent)}"
-
-
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
     out = [
         toy_job(models, args, algo, s, seed, {"config": name, "lr": args.learning_rate}, extra, tag)
@@ -81,7 +75,7 @@ def jobs(args: Args, models: dict[int, str]) -> list[Job]:
                 seed,
                 {"config": name, "lr": lr},
                 extra,
-                "_".join(filter(None, (tag, lr_tag(lr)))),
+                "_".join(filter(None, (tag, "lr" + lr_text(lr)))),
             )
             for name, (algo, s, extra, tag) in CONFIGS.items()
             if name in LR_SWEEP
