@@ -73,11 +73,13 @@ TESTBED_SETTINGS = {
 }
 
 
-def parse(cls: type) -> SweepArgs:
-    """``tyro.cli(cls)`` with the testbed's learning rate and evaluation period (TESTBED_SETTINGS) where the command
-    line left them out."""
+def parse(cls: type, figure_settings: dict[str, dict] | None = None) -> SweepArgs:
+    """``tyro.cli(cls)`` with the testbed's settings where the command line left them (None): its learning rate and
+    evaluation period (TESTBED_SETTINGS), and a figure's own fields per testbed (``figure_settings``: {testbed:
+    {field: value}})."""
     args = tyro.cli(cls)
-    for key, value in TESTBED_SETTINGS[args.testbed].items():
+    settings = {**TESTBED_SETTINGS[args.testbed], **(figure_settings or {}).get(args.testbed, {})}
+    for key, value in settings.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args

@@ -26,8 +26,6 @@ from sweep import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
 ORDER = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=0", "M2PO s=256"]
 
 

@@ -59,35 +59,22 @@ class Args(SweepArgs):
 
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
-    out = [
-        toy_job(models, args, algo, s, seed, {"config": name, "lr": args.learning_rate}, extra, tag)
-        for name, (algo, s, extra, tag) in CONFIGS.items()
-        for seed in args.seeds
-    ]
-    for lr in args.other_learning_rates:  # the same runs at another lr; its tag keeps their names apart
+    # the main lr runs every configuration under the names the other figures share; each other lr runs those of
+    # LR_SWEEP, with the lr in their names
+    plan = [(args.learning_rate, "", list(CONFIGS))]
+    plan += [(lr, "lr" + lr_text(lr), LR_SWEEP) for lr in args.other_learning_rates]
+    out = []
+    for lr, lr_tag, names in plan:
         at_lr = dataclasses.replace(args, learning_rate=lr)
-        out += [
-            toy_job(
-                models,
-                at_lr,
-                algo,
-                s,
-                seed,
-                {"config": name, "lr": lr},
-                extra,
-                "_".join(filter(None, (tag, "lr" + lr_text(lr)))),
-            )
-            for name, (algo, s, extra, tag) in CONFIGS.items()
-            if name in LR_SWEEP
-            for seed in args.seeds
-        ]
+        for name in names:
+            algo, s, extra, tag = CONFIGS[name]
+            labels, run_tag = {"config": name, "lr": lr}, "_".join(filter(None, (tag, lr_tag)))
+            out += [toy_job(models, at_lr, algo, s, seed, labels, extra, run_tag) for seed in args.seeds]
     return out
 
 
 if __name__ == "__main__":
-    args = parse(Args)
-    if args.other_learning_rates is None:
-        args.other_learning_rates = [1e-4, 1e-5] if args.testbed == "chain" else []
+    args = parse(Args, {"arithmetic": {"other_learning_rates": []}, "chain": {"other_learning_rates": [1e-4, 1e-5]}})
     if args.learning_rate in args.other_learning_rates:
         raise SystemExit(
             f"--other-learning-rates {args.other_learning_rates} repeats --learning-rate {args.learning_rate}"
