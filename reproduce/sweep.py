@@ -85,17 +85,28 @@ def parse(cls: type, figure_settings: dict[str, dict] | None = None) -> SweepArg
     return args
 
 
+# VinePPO's Monte Carlo completions per state on the chain testbed. A chain response has about 7 steps, so one rollout
+# batch of 128 responses has about 900 states: with the paper's K = 9 the completions take 97% of a run, 27 s per
+# rollout batch on one core (36 min for 320 updates). K = 3 (the paper's ablation over K includes it) cuts that
+# threefold, so the figures that run vineppo.py fit their time.
+CHAIN_MC_SAMPLES = 3
+
+
 def testbed_flags(testbed: str, algo: str = "") -> list[str]:
     """The scripts' flags for a testbed: none for arithmetic (the scripts' defaults); for chain its task, digits and the
-    generation budget its toy policy was measured at (make_toy_policy.TASK_DEFAULTS), and for dapo.py an overlong
-    buffer of a quarter of that budget, the share its default (4 of the 16 tokens) has on arithmetic (the DAPO
-    paper: 4096 of 20480, a fifth)."""
+    generation budget its toy policy was measured at (make_toy_policy.TASK_DEFAULTS), for dapo.py an overlong buffer
+    of a quarter of that budget, the share its default (4 of the 16 tokens) has on arithmetic (the DAPO paper: 4096
+    of 20480, a fifth), and for vineppo.py K = 3 Monte Carlo completions per state (CHAIN_MC_SAMPLES)."""
     if testbed == "arithmetic":
         return []
     defaults = TASK_DEFAULTS[testbed]
     budget = defaults["eval_max_new_tokens"]
     flags = ["--task", testbed, "--digits", str(defaults["digits"]), "--max-new-tokens", str(budget)]
-    return flags + (["--overlong-buffer", str(budget // 4)] if algo == "dapo" else [])
+    if algo == "dapo":
+        flags += ["--overlong-buffer", str(budget // 4)]
+    if algo == "vineppo":
+        flags += ["--mc-samples", str(CHAIN_MC_SAMPLES)]
+    return flags
 
 
 def toy_flags(model: str, args: SweepArgs, seed: int, staleness: int, algo: str = "") -> list[str]:
@@ -278,6 +289,9 @@ class Job:
     """its command-line flags"""
     labels: dict = field(default_factory=dict)
     """columns every CSV row of this run carries (config name, seed, ...)"""
+    threads: int = 1
+    """intra-op threads of its process (OMP_NUM_THREADS): 1 lets each of a run's Python threads (producer, trainer)
+    keep one core; 2 gives a synchronous run both cores"""
 
     def flags(self) -> str:
         """The flags as one line (recorded in runs/<name>/command.txt: a finished run is reused only by a job
@@ -288,20 +302,19 @@ class Job:
         return [sys.executable, str(ROOT / "algorithms" / f"{self.script}.py"), *self.args, "--run-name", self.name]
 
 
-def run_jobs(jobs: list[Job], work_dir: str | Path, parallel: int = 2, threads: int = 1) -> dict[str, float]:
-    """Run the jobs in ``work_dir`` (each writes work_dir/runs/<name>/), ``parallel`` at a time with
-    OMP_NUM_THREADS=``threads``; returns each job's wall-clock seconds. A job that finished in an earlier call (its
+def run_jobs(jobs: list[Job], work_dir: str | Path, parallel: int = 2) -> dict[str, float]:
+    """Run the jobs in ``work_dir`` (each writes work_dir/runs/<name>/), ``parallel`` at a time, each with
+    OMP_NUM_THREADS=its ``threads``; returns each job's wall-clock seconds. A job that finished in an earlier call (its
     runs/<name>/done marker) with the same flags is skipped, so re-running a sweep resumes it and figures that
     share a configuration share its runs; the same name with other flags is an error. A failing job stops the sweep
     with the tail of its log."""
     names = [j.name for j in jobs]
     if len(set(names)) != len(names):
         raise ValueError(f"job names must be unique, got duplicates in {names}")
-    if parallel < 1 or threads < 1:
-        raise ValueError(f"parallel ({parallel}) and threads ({threads}) must be >= 1")
+    if parallel < 1 or any(j.threads < 1 for j in jobs):
+        raise ValueError(f"parallel ({parallel}) and every job's threads must be >= 1")
     work_dir = Path(work_dir)
     (work_dir / "runs").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     seconds, todo, running = {}, [], []
     for j in jobs:
         run_dir = work_dir / "runs" / j.name
@@ -325,6 +338,7 @@ def run_jobs(jobs: list[Job], work_dir: str | Path, parallel: int = 2, threads: 
             (work_dir / "runs" / j.name).mkdir(exist_ok=True)
             (work_dir / "runs" / j.name / "command.txt").write_text(j.flags())
             log = open(work_dir / f"{j.name}.log", "w")
+            env = {**os.environ, "OMP_NUM_THREADS": str(j.threads), "MKL_NUM_THREADS": str(j.threads)}
             proc = subprocess.Popen(j.command(), cwd=work_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
             running.append((j, proc, log, time.time()))
         time.sleep(0.2)

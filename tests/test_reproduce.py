@@ -97,6 +97,9 @@ def test_toy_flags_and_job_names():
     dapo = sweep.toy_job({2: "C"}, sweep.SweepArgs(testbed="chain"), "dapo", 0, 2, {})  # overlong buffer: 1/4 budget
     assert "--max-new-tokens 128 --overlong-buffer 32 --prompts-per-batch 16" in dapo.flags()
     assert "--overlong-buffer" not in sweep.toy_job({2: "C"}, args, "dapo", 0, 2, {}).flags()
+    vine = sweep.toy_job({2: "C"}, sweep.SweepArgs(testbed="chain"), "vineppo", 0, 2, {})  # K = 3 MC completions
+    assert f"--max-new-tokens 128 --mc-samples {sweep.CHAIN_MC_SAMPLES} --prompts-per-batch 16" in vine.flags()
+    assert "--mc-samples" not in sweep.toy_job({2: "C"}, args, "vineppo", 0, 2, {}).flags()
 
 
 def test_run_jobs_refuses_bad_settings_and_runs_with_other_flags(tmp_path):
@@ -105,6 +108,8 @@ def test_run_jobs_refuses_bad_settings_and_runs_with_other_flags(tmp_path):
         sweep.run_jobs([job, job], tmp_path)
     with pytest.raises(ValueError, match="parallel"):
         sweep.run_jobs([job], tmp_path, parallel=0)
+    with pytest.raises(ValueError, match="threads"):
+        sweep.run_jobs([sweep.Job("b", "grpo", [], threads=0)], tmp_path)
     (tmp_path / "runs" / "a").mkdir(parents=True)
     (tmp_path / "runs" / "a" / "done").write_text("3.0")
     (tmp_path / "runs" / "a" / "command.txt").write_text("--seed 2")
@@ -297,6 +302,22 @@ def test_parse_fills_the_testbed_settings(monkeypatch):
         monkeypatch.setattr(sys, "argv", ["run.py", *argv])
         args = sweep.parse(sweep.SweepArgs)
         assert (args.learning_rate, args.eval_every) == (lr, every)
+
+
+def test_tba_async_on_two_cores_gives_grpo_both_and_its_runs_their_own_names():
+    spec = importlib.util.spec_from_file_location("tba_run", ROOT / "reproduce" / "tba_async" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    models = {1: "P1", 2: "P2", 3: "P3"}
+    one = run.jobs(run.Args(cores_per_run=1, learning_rate=1e-4, eval_every=40), models)
+    assert {j.threads for j in one} == {1} and "grpo_s0_seed1" in {j.name for j in one}  # shared with side_by_side
+    two = {j.name: j for j in run.jobs(run.Args(testbed="chain", cores_per_run=2, learning_rate=3e-5), models)}
+    assert len(two) == 15 and all("2cores" in name for name in two)
+    assert two["chain_grpo_2cores_s0_seed2"].threads == 2  # synchronous: both cores as intra-op threads
+    assert two["chain_tba_m0.5_2cores_s2_seed3"].threads == 1  # searcher and trainer threads: a core each
+    assert "--recency-prob 0.5" in two["chain_tba_m0.5_2cores_s2_seed3"].flags()
+    with pytest.raises(SystemExit, match="cores-per-run"):
+        run.jobs(run.Args(cores_per_run=3, learning_rate=1e-4), models)
 
 
 def test_m2po_staleness_runs_each_learning_rate_under_its_own_names():

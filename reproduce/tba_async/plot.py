@@ -22,7 +22,9 @@ if __name__ == "__main__":
     plot_curves(wall, minutes, "config", "eval/accuracy", x="minutes", order=ORDER, scale=100)
     wall.set(
         title="(a) accuracy vs wall-clock",
-        xlabel="minutes (1 of 2 CPU cores per run)",
+        xlabel="minutes ("
+        + ("1 of 2 CPU cores per run" if args.testbed == "arithmetic" else "2 CPU cores, one run")
+        + ")",
         ylabel="greedy accuracy on 500 held-out problems (%)",
     )
     plot_curves(upd, rows, "config", "eval/accuracy", order=ORDER, scale=100)

@@ -1,12 +1,15 @@
 """TBA at toy scale: accuracy vs wall-clock against synchronous GRPO, and the effect of the recency probability m.
 
-    python reproduce/tba_async/run.py               # 5 configurations x 3 seeds = 15 runs of 320 updates
-    python reproduce/tba_async/plot.py              # -> tba_async.png and the numbers in README.md
+    python reproduce/tba_async/run.py                   # 5 configurations x 3 seeds = 15 runs of 320 updates
+    python reproduce/tba_async/run.py --testbed chain   # the same on the chain testbed, one run at a time
+    python reproduce/tba_async/plot.py [--testbed chain]  # -> the PNG and the numbers in README.md
 
 Synchronous GRPO: grpo.py at s = 0 (16 prompts x 8 per rollout batch, 4 updates from each). TBA: tba.py with 4
 prompts x 8 per update from its replay buffer (the same 32 samples per update), sync period k = 2 (the paper's GSM8K
 setting) with m in {0.5, 0.95, 1.0}, and k = 16 with the paper's m = 0.95. Same task, lr and budget as the other
-figures (sweep.toy_flags); every run has one of the two cores, another run beside it, so time/elapsed compare.
+figures (sweep.toy_flags). Cores (--cores-per-run): on arithmetic every run has one of the two cores with another run
+beside it; on chain one run at a time holds both, TBA's searcher and trainer threads a core each and synchronous
+GRPO both cores as intra-op threads, so time/elapsed compares the two ways of using the same machine.
 """
 
 import os
@@ -39,20 +42,33 @@ KEYS = [
 
 @dataclass
 class Args(SweepArgs):
+    cores_per_run: int | None = None
+    """1: two runs side by side, one core each (searcher and trainer share it); 2: one run at a time on both
+    cores, TBA's searcher and trainer on a core each, synchronous GRPO with 2 intra-op threads, whatever --parallel
+    says (default: 1 on arithmetic, 2 on chain; the 2-core runs' names end in 2cores, so they never stand in for a
+    1-core run)"""
     out: str = ""
     """the CSV of every run's metrics, which the plot reads (default: tba_async.csv here; with --testbed chain:
     tba_async_chain.csv)"""
 
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
-    return [
-        toy_job(models, args, algo, s, seed, {"config": name}, extra, tag)
-        for name, (algo, s, extra, tag) in CONFIGS.items()
-        for seed in args.seeds
-    ]
+    if args.cores_per_run not in (1, 2):
+        raise SystemExit(f"--cores-per-run must be 1 or 2, got {args.cores_per_run}")
+    out = []
+    for name, (algo, s, extra, tag) in CONFIGS.items():
+        if args.cores_per_run == 2:
+            tag = f"{tag}_2cores" if tag else "2cores"
+        for seed in args.seeds:
+            job = toy_job(models, args, algo, s, seed, {"config": name}, extra, tag)
+            job.threads = 2 if args.cores_per_run == 2 and algo == "grpo" else 1
+            out.append(job)
+    return out
 
 
 if __name__ == "__main__":
-    args = parse(Args)
+    args = parse(Args, {"arithmetic": {"cores_per_run": 1}, "chain": {"cores_per_run": 2}})
     args.out = args.out or figure_csv(HERE, "tba_async", args.testbed)
+    if args.cores_per_run == 2:
+        args.parallel = 1  # the run holds both cores
     run_sweep(jobs(args, start_policies(args)), args, KEYS, args.out)
