@@ -320,6 +320,26 @@ def test_tba_async_on_two_cores_gives_grpo_both_and_its_runs_their_own_names():
         run.jobs(run.Args(cores_per_run=3, learning_rate=1e-4), models)
 
 
+def test_areal_eta_adds_the_synchronous_baseline_on_both_cores():
+    spec = importlib.util.spec_from_file_location("areal_run", ROOT / "reproduce" / "areal_eta" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    models = {1: "P1", 2: "P2", 3: "P3"}
+    args = run.Args(testbed="chain", learning_rate=3e-5, eval_every=80, sync_baseline=True)
+    accuracy, throughput = run.jobs(args, models)
+    assert len(accuracy) == 6 * 2 * 3 and len(throughput) == 6 * 2 + 2
+    baseline = [j for j in throughput if j.labels["part"] == "baseline"]
+    assert [j.name for j in baseline] == ["chain_grpo_sync_s0_seed1", "chain_grpo_sync_s0_seed2"]
+    assert all(
+        j.threads == 2 and "--total-updates 96 --learning-rate 3e-05 --eval-every 0" in j.flags() for j in baseline
+    )
+    assert {j.threads for j in accuracy + throughput if j.script == "ppo_stale"} == {
+        1
+    }  # producer, trainer: a core each
+    _, without = run.jobs(run.Args(learning_rate=1e-4, eval_every=40, sync_baseline=False), models)
+    assert len(without) == 6 * 2 and all(j.script == "ppo_stale" for j in without)
+
+
 def test_m2po_staleness_runs_each_learning_rate_under_its_own_names():
     spec = importlib.util.spec_from_file_location("m2po_run", ROOT / "reproduce" / "m2po_staleness" / "run.py")
     run = importlib.util.module_from_spec(spec)

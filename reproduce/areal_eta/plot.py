@@ -16,11 +16,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SAMPLES_PER_UPDATE = 32  # 16 prompts x 8 samples per batch, 4 updates per batch
 
 
-def throughput(rows: list[dict]) -> dict:
-    """{eta: [samples trained per second, per seed]} between each run's first and last logged update."""
+def throughput(rows: list[dict], part: str = "throughput") -> dict:
+    """{eta: [samples trained per second, per seed]} between each run's first and last logged update, for the runs of
+    ``part`` (throughput: bounded mode; baseline: synchronous GRPO, under eta 0)."""
     per = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if r["part"] == "throughput" and "time/elapsed" in r and r["global_step"] > 0:
+        if r["part"] == part and "time/elapsed" in r and r["global_step"] > 0:
             per[int(r["eta"])][r["seed"]].append((r["global_step"], r["time/elapsed"]))
     out = {}
     for eta, seeds in per.items():
@@ -65,6 +66,9 @@ if __name__ == "__main__":
         marker="o",
         label="bounded mode --max-staleness eta",
     )
+    sync = throughput(rows, "baseline").get(0)
+    if sync:  # synchronous GRPO on both cores
+        thr.axhline(mean_sd(sync)[0], color="gray", ls="--", label=f"synchronous GRPO, 2 cores (n={len(sync)})")
     thr.set_xticks(range(len(t_etas)), [str(e) for e in t_etas])
     thr.set(
         title="(b) training throughput",
@@ -77,8 +81,10 @@ if __name__ == "__main__":
     save(fig, args.png)
     table = [
         [e, pm(final[("naive", e)]), pm(final[("decoupled", e)]), pm(speed[e], scale=1.0) if e in speed else "-"]
+        + ([f"{mean_sd(speed[e])[0] / mean_sd(sync)[0]:.2f}x" if e in speed else "-"] if sync else [])
         for e in etas
     ]
-    print(
-        markdown_table(["eta", "naive PPO accuracy (%)", "decoupled PPO accuracy (%)", "throughput (samples/s)"], table)
-    )
+    header = ["eta", "naive PPO accuracy (%)", "decoupled PPO accuracy (%)", "throughput (samples/s)"]
+    print(markdown_table(header + (["vs synchronous GRPO"] if sync else []), table))
+    if sync:
+        print(f"synchronous GRPO on both cores: {pm(sync, scale=1.0)} samples/s")

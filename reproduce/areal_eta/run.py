@@ -9,7 +9,8 @@ exactly eta policy versions old, the worst case AReaL's bound admits), decoupled
 pi_theta / pi_behav), same task, batch shape and budget as the other figures (sweep.toy_flags).
 Throughput: AReaL's bounded mode --max-staleness eta (the producer runs up to eta batches ahead, weights land
 mid-generation), one run at a time so its producer and trainer threads have a core each; samples trained per second
-of wall-clock between the first and the last update.
+of wall-clock between the first and the last update. On chain also synchronous GRPO (grpo.py at s = 0) with both cores
+as intra-op threads, the same updates and seeds: the baseline AReaL's speed-up is measured against.
 """
 
 import dataclasses
@@ -42,6 +43,9 @@ class Args(SweepArgs):
     """updates per throughput run (no evaluation)"""
     throughput_seeds: list[int] = field(default_factory=lambda: [1, 2])
     """seeds of the throughput runs"""
+    sync_baseline: bool | None = None
+    """also run synchronous GRPO (grpo.py at s = 0) on both cores, 2 intra-op threads, as the throughput baseline,
+    with the throughput runs' updates and seeds (default: on chain, not on arithmetic)"""
     out: str = ""
     """the CSV of every run's metrics, which the plot reads (default: areal_eta.csv here; with --testbed chain:
     areal_eta_chain.csv)"""
@@ -78,11 +82,15 @@ def jobs(args: Args, models: dict[int, str]) -> tuple[list[Job], list[Job]]:
         for eta in args.etas
         for seed in args.throughput_seeds
     ]
+    for seed in args.throughput_seeds if args.sync_baseline else []:
+        baseline = toy_job(models, short, "grpo", 0, seed, {"part": "baseline", "loss": "grpo", "eta": 0}, (), "sync")
+        baseline.threads = 2  # synchronous: generation and training take turns, each on both cores
+        throughput.append(baseline)
     return accuracy, throughput
 
 
 if __name__ == "__main__":
-    args = parse(Args)
+    args = parse(Args, {"arithmetic": {"sync_baseline": False}, "chain": {"sync_baseline": True}})
     args.out = args.out or figure_csv(HERE, "areal_eta", args.testbed)
     accuracy, throughput = jobs(args, start_policies(args))
     if args.only:  # one row (or part) of the figure
