@@ -340,6 +340,20 @@ def test_areal_eta_adds_the_synchronous_baseline_on_both_cores():
     assert len(without) == 6 * 2 and all(j.script == "ppo_stale" for j in without)
 
 
+def test_vineppo_figure_adds_grpo_on_request_with_side_by_sides_runs():
+    spec = importlib.util.spec_from_file_location("vine_run", ROOT / "reproduce" / "vineppo" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    models = {1: "P1", 2: "P2", 3: "P3"}
+    chain = {j.name: j for j in run.jobs(run.Args(testbed="chain", learning_rate=3e-5, grpo=True), models)}
+    assert sorted(chain) == sorted(
+        f"chain_{name}_s0_seed{seed}" for name in ("vineppo", "vineppo_critic", "grpo") for seed in (1, 2, 3)
+    )
+    assert chain["chain_grpo_s0_seed1"].labels == {"estimator": "GRPO", "seed": 1}
+    assert "--value-estimator critic" in chain["chain_vineppo_critic_s0_seed2"].flags()
+    assert len(run.jobs(run.Args(learning_rate=1e-4, grpo=False), models)) == 6
+
+
 def test_m2po_staleness_runs_each_learning_rate_under_its_own_names():
     spec = importlib.util.spec_from_file_location("m2po_run", ROOT / "reproduce" / "m2po_staleness" / "run.py")
     run = importlib.util.module_from_spec(spec)

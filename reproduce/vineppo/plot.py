@@ -1,5 +1,6 @@
-"""Draw vineppo.png: (a) accuracy vs update and (b) vs wall-clock for MC values (VinePPO) and a learned critic (PPO),
-(c) each estimator's value against the truth per state (value_prediction_states.csv); print the numbers.
+"""Draw vineppo.png: (a) accuracy vs update and (b) vs wall-clock for MC values (VinePPO), a learned critic (PPO) and,
+where the CSV has it, GRPO; (c) each estimator's value against the truth per state (value_prediction_states.csv; on
+chain value_prediction_chain_states.csv); print the numbers.
 
     python reproduce/vineppo/plot.py [--testbed chain] [--csv vineppo.csv] [--png vineppo.png]
 """
@@ -12,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sweep import curves, figure, final_values, markdown_table, plot_args, plot_curves, pm, read_csv, save
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ORDER = ["MC (VinePPO)", "critic (PPO)"]
+ORDER = ["MC (VinePPO)", "critic (PPO)", "GRPO"]
 
 if __name__ == "__main__":
     args = plot_args(HERE, "vineppo")
@@ -25,16 +26,18 @@ if __name__ == "__main__":
     wall.set(
         title="(b) accuracy vs wall-clock", xlabel="minutes (1 of 2 CPU cores per run)", ylabel="greedy accuracy (%)"
     )
-    states = read_csv(os.path.join(HERE, "value_prediction_states.csv"))
-    for key, label, marker in (("mc", "MC, K = 9", "o"), ("critic", "critic (20 updates)", "x")):
+    # panel (c): value_prediction.py's output for this testbed; its estimator names come from the summary CSV
+    study = "value_prediction" + ("" if args.testbed == "arithmetic" else f"_{args.testbed}")
+    estimators = [r["estimator"] for r in read_csv(os.path.join(HERE, f"{study}.csv"))]
+    states = read_csv(os.path.join(HERE, f"{study}_states.csv"))
+    for key, label, marker in (("mc", estimators[0], "o"), ("critic", estimators[1], "x")):
         err = sum(abs(s[key] - s["truth"]) for s in states) / len(states)
         val.scatter(
             [s["truth"] for s in states], [s[key] for s in states], s=14, marker=marker, label=f"{label}: MAE {err:.3f}"
         )
     val.plot([0, 1], [0, 1], color="gray", linestyle="--", linewidth=1)
-    val.set(
-        title=f"(c) value estimates, {len(states)} states (135M model)", xlabel="truth (64 rollouts)", ylabel="estimate"
-    )
+    model = "135M model" if args.testbed == "arithmetic" else f"{args.testbed} toy policy"
+    val.set(title=f"(c) value estimates, {len(states)} states ({model})", xlabel="truth (rollouts)", ylabel="estimate")
     for ax in (upd, wall, val):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -44,7 +47,7 @@ if __name__ == "__main__":
     peak_critic = max(data["critic (PPO)"][1])
     clock = curves([r for r in rows if "eval/accuracy" in r], "estimator", "time/elapsed")  # at each evaluation
     table = []
-    for e in ORDER:
+    for e in [e for e in ORDER if e in data]:
         steps, mean = data[e][0], data[e][1]
         reach = next((s for s, m in zip(steps, mean) if m >= peak_critic), None)
         table.append(
