@@ -87,8 +87,8 @@ def parse(cls: type, figure_settings: dict[str, dict] | None = None) -> SweepArg
 
 # VinePPO's Monte Carlo completions per state on the chain testbed. A chain response has about 7 steps, so one rollout
 # batch of 128 responses has about 900 states: with the paper's K = 9 the completions take 97% of a run, 27 s per
-# rollout batch on one core (36 min for 320 updates). K = 3 (the paper's ablation over K includes it) cuts that
-# threefold, so the figures that run vineppo.py fit their time.
+# rollout batch on one core (36 min for 320 updates). K = 3 cuts that threefold, so the figures that run vineppo.py
+# fit their time; its values take 4 levels (0, 1/3, 2/3, 1), coarser than the paper's 10 (reproduce/vineppo/).
 CHAIN_MC_SAMPLES = 3
 
 
