@@ -304,10 +304,16 @@ def test_parse_fills_the_testbed_settings(monkeypatch):
         assert (args.learning_rate, args.eval_every) == (lr, every)
 
 
-def test_tba_async_on_two_cores_gives_grpo_both_and_its_runs_their_own_names():
-    spec = importlib.util.spec_from_file_location("tba_run", ROOT / "reproduce" / "tba_async" / "run.py")
+def load_run(figure: str):
+    """reproduce/<figure>/run.py as a module (its jobs() and Args, without running the sweep)."""
+    spec = importlib.util.spec_from_file_location(f"{figure}_run", ROOT / "reproduce" / figure / "run.py")
     run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run)
+    return run
+
+
+def test_tba_async_on_two_cores_gives_grpo_both_and_its_runs_their_own_names():
+    run = load_run("tba_async")
     models = {1: "P1", 2: "P2", 3: "P3"}
     one = run.jobs(run.Args(cores_per_run=1, learning_rate=1e-4, eval_every=40), models)
     assert {j.threads for j in one} == {1} and "grpo_s0_seed1" in {j.name for j in one}  # shared with side_by_side
@@ -321,9 +327,7 @@ def test_tba_async_on_two_cores_gives_grpo_both_and_its_runs_their_own_names():
 
 
 def test_areal_eta_adds_the_synchronous_baseline_on_both_cores():
-    spec = importlib.util.spec_from_file_location("areal_run", ROOT / "reproduce" / "areal_eta" / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+    run = load_run("areal_eta")
     models = {1: "P1", 2: "P2", 3: "P3"}
     args = run.Args(testbed="chain", learning_rate=3e-5, eval_every=80, sync_baseline=True)
     accuracy, throughput = run.jobs(args, models)
@@ -341,9 +345,7 @@ def test_areal_eta_adds_the_synchronous_baseline_on_both_cores():
 
 
 def test_vineppo_figure_adds_grpo_on_request_with_side_by_sides_runs():
-    spec = importlib.util.spec_from_file_location("vine_run", ROOT / "reproduce" / "vineppo" / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+    run = load_run("vineppo")
     models = {1: "P1", 2: "P2", 3: "P3"}
     chain = {j.name: j for j in run.jobs(run.Args(testbed="chain", learning_rate=3e-5, grpo=True), models)}
     assert sorted(chain) == sorted(
@@ -355,9 +357,7 @@ def test_vineppo_figure_adds_grpo_on_request_with_side_by_sides_runs():
 
 
 def test_m2po_staleness_runs_each_learning_rate_under_its_own_names():
-    spec = importlib.util.spec_from_file_location("m2po_run", ROOT / "reproduce" / "m2po_staleness" / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+    run = load_run("m2po_staleness")
     assert [sweep.lr_text(lr) for lr in (1e-4, 3e-5, 2.5e-5)] == ["1e-4", "3e-5", "2.5e-5"]
     args = run.Args(testbed="chain", learning_rate=3e-5, eval_every=80, other_learning_rates=[1e-4, 1e-5])
     jobs = run.jobs(args, {1: "P1", 2: "P2", 3: "P3"})
