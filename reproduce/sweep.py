@@ -158,10 +158,11 @@ def toy_job(
     labels: dict,
     extra: tuple = (),
     tag: str = "",
+    threads: int = 1,
 ) -> "Job":
     """A run of ``algo`` from ``models[seed]`` (start_policies) with toy_flags plus ``extra`` flags, named
     [chain_]<algo>[_<tag>]_s<staleness>_seed<seed> (the tag names the extra flags, so figures that share a
-    configuration share the run; the chain testbed's runs carry its name)."""
+    configuration share the run; the chain testbed's runs carry its name), with ``threads`` intra-op threads."""
     testbed = "" if args.testbed == "arithmetic" else f"{args.testbed}_"
     name = f"{testbed}{algo}{'_' + tag if tag else ''}_s{staleness}_seed{seed}"
     return Job(
@@ -169,6 +170,7 @@ def toy_job(
         algo,
         toy_flags(models[seed], args, seed, staleness, algo) + list(extra),
         {**labels, "seed": seed},
+        threads,
     )
 
 

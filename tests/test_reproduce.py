@@ -337,9 +337,8 @@ def test_areal_eta_adds_the_synchronous_baseline_on_both_cores():
     assert all(
         j.threads == 2 and "--total-updates 96 --learning-rate 3e-05 --eval-every 0" in j.flags() for j in baseline
     )
-    assert {j.threads for j in accuracy + throughput if j.script == "ppo_stale"} == {
-        1
-    }  # producer, trainer: a core each
+    ppo_stale = [j for j in accuracy + throughput if j.script == "ppo_stale"]
+    assert {j.threads for j in ppo_stale} == {1}  # producer, trainer: a core each
     _, without = run.jobs(run.Args(learning_rate=1e-4, eval_every=40, sync_baseline=False), models)
     assert len(without) == 6 * 2 and all(j.script == "ppo_stale" for j in without)
 

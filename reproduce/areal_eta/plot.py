@@ -68,7 +68,8 @@ if __name__ == "__main__":
     )
     sync = throughput(rows, "baseline").get(0)
     if sync:  # synchronous GRPO on both cores
-        thr.axhline(mean_sd(sync)[0], color="gray", ls="--", label=f"synchronous GRPO, 2 cores (n={len(sync)})")
+        sync_mean = mean_sd(sync)[0]
+        thr.axhline(sync_mean, color="gray", ls="--", label=f"synchronous GRPO, 2 cores (n={len(sync)})")
     thr.set_xticks(range(len(t_etas)), [str(e) for e in t_etas])
     thr.set(
         title="(b) training throughput",
@@ -81,7 +82,7 @@ if __name__ == "__main__":
     save(fig, args.png)
     table = [
         [e, pm(final[("naive", e)]), pm(final[("decoupled", e)]), pm(speed[e], scale=1.0) if e in speed else "-"]
-        + ([f"{mean_sd(speed[e])[0] / mean_sd(sync)[0]:.2f}x" if e in speed else "-"] if sync else [])
+        + ([f"{mean_sd(speed[e])[0] / sync_mean:.2f}x" if e in speed else "-"] if sync else [])
         for e in etas
     ]
     header = ["eta", "naive PPO accuracy (%)", "decoupled PPO accuracy (%)", "throughput (samples/s)"]

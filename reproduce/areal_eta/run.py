@@ -82,11 +82,12 @@ def jobs(args: Args, models: dict[int, str]) -> tuple[list[Job], list[Job]]:
         for eta in args.etas
         for seed in args.throughput_seeds
     ]
-    for seed in args.throughput_seeds if args.sync_baseline else []:
-        baseline = toy_job(models, short, "grpo", 0, seed, {"part": "baseline", "loss": "grpo", "eta": 0}, (), "sync")
-        baseline.threads = 2  # synchronous: generation and training take turns, each on both cores
-        throughput.append(baseline)
-    return accuracy, throughput
+    baseline = [  # synchronous: generation and training take turns, each on both cores
+        toy_job(models, short, "grpo", 0, seed, {"part": "baseline", "loss": "grpo", "eta": 0}, (), "sync", threads=2)
+        for seed in args.throughput_seeds
+        if args.sync_baseline
+    ]
+    return accuracy, throughput + baseline
 
 
 if __name__ == "__main__":

@@ -55,15 +55,22 @@ class Args(SweepArgs):
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
     if args.cores_per_run not in (1, 2):
         raise SystemExit(f"--cores-per-run must be 1 or 2, got {args.cores_per_run}")
-    out = []
-    for name, (algo, s, extra, tag) in CONFIGS.items():
-        if args.cores_per_run == 2:
-            tag = f"{tag}_2cores" if tag else "2cores"
-        for seed in args.seeds:
-            job = toy_job(models, args, algo, s, seed, {"config": name}, extra, tag)
-            job.threads = 2 if args.cores_per_run == 2 and algo == "grpo" else 1
-            out.append(job)
-    return out
+    two = args.cores_per_run == 2
+    return [
+        toy_job(
+            models,
+            args,
+            algo,
+            s,
+            seed,
+            {"config": name},
+            extra,
+            "_".join(filter(None, (tag, "2cores" if two else ""))),
+            threads=2 if two and algo == "grpo" else 1,  # synchronous GRPO: both cores as intra-op threads
+        )
+        for name, (algo, s, extra, tag) in CONFIGS.items()
+        for seed in args.seeds
+    ]
 
 
 if __name__ == "__main__":
