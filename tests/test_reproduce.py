@@ -343,6 +343,25 @@ def test_areal_eta_adds_the_synchronous_baseline_on_both_cores():
     assert len(without) == 6 * 2 and all(j.script == "ppo_stale" for j in without)
 
 
+def test_side_by_side_runs_vineppo_at_the_ends_of_the_range_on_chain(monkeypatch):
+    run = load_run("side_by_side")
+    for argv, expected in [
+        ([], None),
+        (["--testbed", "chain"], [0, 256]),
+        (["--testbed", "chain", "--vineppo-staleness", "16"], [16]),
+    ]:
+        monkeypatch.setattr(sys, "argv", ["run.py", *argv])
+        assert sweep.parse(run.Args, run.FIGURE_SETTINGS).vineppo_staleness == expected
+    models = {1: "P1", 2: "P2", 3: "P3"}
+    arithmetic = run.jobs(run.Args(learning_rate=1e-4, eval_every=40), models)
+    assert len(arithmetic) == 6 * 4 * 3 and len({j.name for j in arithmetic}) == 72
+    chain = run.jobs(run.Args(testbed="chain", learning_rate=3e-5, eval_every=80, vineppo_staleness=[0, 256]), models)
+    vineppo = sorted(j.name for j in chain if j.script == "vineppo")
+    assert vineppo == sorted(f"chain_vineppo_s{s}_seed{seed}" for s in (0, 256) for seed in (1, 2, 3))
+    assert len(chain) == 5 * 4 * 3 + 2 * 3
+    assert {j.labels["staleness"] for j in chain if j.script == "tba"} == {0, 16, 64, 256}
+
+
 def test_vineppo_figure_adds_grpo_on_request_with_side_by_sides_runs():
     run = load_run("vineppo")
     models = {1: "P1", 2: "P2", 3: "P3"}

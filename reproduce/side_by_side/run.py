@@ -1,7 +1,8 @@
 """All six algorithms side by side at staleness s in {0, 16, 64, 256}: same toy task, seeds, batch and update budget.
 
-    python reproduce/side_by_side/run.py            # 6 algorithms x 4 staleness x 3 seeds = 72 runs of 320 updates
-    python reproduce/side_by_side/plot.py           # -> side_by_side.png and side_by_side.md (the table)
+    python reproduce/side_by_side/run.py                    # 6 algorithms x 4 staleness x 3 seeds = 72 runs
+    python reproduce/side_by_side/plot.py                   # -> side_by_side.png, and prints the table
+    python reproduce/side_by_side/run.py --testbed chain    # 66 runs: vineppo.py at s = 0 and 256 only
 
 Every run: the toy policy (reproduce/toy), 2-digit addition, lr 1e-4, 32 samples per optimizer update, 320 updates,
 greedy eval on 500 held-out problems every 40 updates. The PPO-family scripts (grpo, dapo, ppo_stale, m2po,
@@ -36,22 +37,32 @@ class Args(SweepArgs):
     """algorithm scripts to run"""
     staleness: list[int] = field(default_factory=lambda: [0, 16, 64, 256])
     """staleness values s (exact lag in updates; tba: sync period)"""
+    vineppo_staleness: list[int] | None = None
+    """the staleness values vineppo.py runs at (default: those of --staleness; on chain 0 and 256 only: its K = 3
+    Monte Carlo completions from every step make a chain run about 26 minutes on one core, so 12 runs would take
+    2.6 h at 2 at a time; --vineppo-staleness 0 16 64 256 runs the middle columns too)"""
     out: str = ""
     """the CSV of every run's metrics, which the plot reads (default: side_by_side.csv here; with --testbed chain:
     side_by_side_chain.csv)"""
 
 
+FIGURE_SETTINGS = {"chain": {"vineppo_staleness": [0, 256]}}  # Args fields set per testbed when not given
+
+
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
+    def stalenesses(algo: str) -> list[int]:
+        return args.vineppo_staleness if algo == "vineppo" and args.vineppo_staleness is not None else args.staleness
+
     return [
         toy_job(models, args, algo, s, seed, {"algo": algo, "staleness": s})
         for algo in args.algos
-        for s in args.staleness
+        for s in stalenesses(algo)
         for seed in args.seeds
     ]
 
 
 if __name__ == "__main__":
-    args = parse(Args)
+    args = parse(Args, FIGURE_SETTINGS)
     args.out = args.out or figure_csv(HERE, "side_by_side", args.testbed)
     unknown = sorted(set(args.algos) - set(ALGOS))
     if unknown:
