@@ -39,8 +39,8 @@ class Args(SweepArgs):
     """staleness values s (exact lag in updates; tba: sync period)"""
     vineppo_staleness: list[int] | None = None
     """the staleness values vineppo.py runs at (default: those of --staleness; on chain 0 and 256 only: its K = 3
-    Monte Carlo completions from every step make a chain run about 26 minutes on one core, so 12 runs would take
-    2.6 h at 2 at a time; --vineppo-staleness 0 16 64 256 runs the middle columns too)"""
+    Monte Carlo completions from every step make a chain run 21-37 minutes on one core, so 12 runs would take
+    about 2.6 h at 2 at a time; --vineppo-staleness 0 16 64 256 runs the middle columns too)"""
     out: str = ""
     """the CSV of every run's metrics, which the plot reads (default: side_by_side.csv here; with --testbed chain:
     side_by_side_chain.csv)"""
@@ -50,13 +50,11 @@ FIGURE_SETTINGS = {"chain": {"vineppo_staleness": [0, 256]}}  # Args fields set 
 
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
-    def stalenesses(algo: str) -> list[int]:
-        return args.vineppo_staleness if algo == "vineppo" and args.vineppo_staleness is not None else args.staleness
-
+    per_algo = {"vineppo": args.vineppo_staleness or args.staleness}
     return [
         toy_job(models, args, algo, s, seed, {"algo": algo, "staleness": s})
         for algo in args.algos
-        for s in stalenesses(algo)
+        for s in per_algo.get(algo, args.staleness)
         for seed in args.seeds
     ]
 
