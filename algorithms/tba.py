@@ -6,13 +6,14 @@ The loss pulls pi_theta towards pi_ref exp(r/beta): per sample (log Z + log pi_t
 the mean over the slot's samples (VarGrad); no ratio, no clip: TB is off-policy, so replayed samples are valid.
 
     python algorithms/tba.py                                      # 20 updates, weights to the searcher every 2
-    python algorithms/tba.py --staleness 4 --rounds-ahead -1      # sync every 4 updates, the searcher unbounded
+    python algorithms/tba.py --staleness 4 --free-running         # sync every 4 updates, the searcher free-running
     bash reproduce/scale/tba.sh node                              # the paper's GSM8K settings: 8 GPUs, vLLM, torchrun
 
-Simplified relative to the paper: one searcher thread (a round ahead of the trainer unless --rounds-ahead -1), not
-several searcher GPUs; beta 0.1 -> 0.05 over the run, not 0.014 -> 0.004 over 500 updates (toy scale); de-duplication
-keeps a response's newest copy; --priority-inv-temp 1 is unverified; --staleness 0 (synchronous, every slot a
-recency draw) is not the paper's. Paper: Bartoldson et al., arXiv 2503.18929. Docs: docs/tba.md
+Simplified relative to the paper: one searcher thread, by default in lockstep (round n by the version its number fixes,
+a round ahead of the trainer: reproducible runs), not several free-running searcher GPUs; beta 0.1 -> 0.05 over the run,
+not 0.014 -> 0.004 over 500 updates (toy scale); de-duplication keeps a response's newest copy; --priority-inv-temp 1 is
+unverified; --staleness 0 (synchronous, every slot a recency draw) is not the paper's. Paper: Bartoldson et al., arXiv
+2503.18929. Docs: docs/tba.md
 """
 
 import os
@@ -53,7 +54,7 @@ from common.distributed import (
 )
 from common.engine import make_engine, weight_payload
 from common.evaluation import greedy_eval
-from common.logprobs import collate, pad_float, response_logprobs
+from common.logprobs import collate, pad_float, response_logprobs, side_autocast
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import encode_prompt, make_task
@@ -174,8 +175,11 @@ class Args:
     """inverse temperature of the reward-prioritised draws: samples of a prompt drawn by softmax(reward * this)"""
     buffer_capacity: int = 100
     """de-duplicated samples kept per prompt in the replay buffer (the newest)"""
+    free_running: bool = False
+    """the searcher takes the newest weights at each round's start, --rounds-ahead ahead (wall-clock studies; not
+    reproducible); default: lockstep, round n by the version round_version fixes, during update n - 1"""
     rounds_ahead: int = 1
-    """the searcher starts round n only when n <= trainer updates + this (-1: unbounded, generate continuously)"""
+    """--free-running: round n starts only when n <= trainer updates + this (-1: unbounded, generate continuously)"""
     # --- hidden: fault injection for the tests
     debug_fail_at_batch: int = -1
     """fault injection for tests: the producer raises an error when it reaches this batch"""
@@ -284,6 +288,13 @@ def sample_slots(
     return slots
 
 
+def round_version(n: int, sync_every: int) -> int:
+    """Lockstep schedule (s >= 1): round n is generated, while update n - 1 trains, by the newest weights synced by
+    then, version k * floor((n - 1) / k) (k = sync_every; round 0 by version 0), and update n draws from rounds
+    0..n: recency draws are 1 to k updates old, and which version generated what does not depend on thread timing."""
+    return sync_every * ((n - 1) // sync_every) if n > 0 else 0
+
+
 def run_plan(total_updates: int, staleness: int) -> str:
     """The run's plan in words: the searcher generates with the initial weights until the first sync at update s,
     then gets the trainer's weights every s updates (s = 0: synchronous)."""
@@ -344,6 +355,8 @@ if __name__ == "__main__":
             f"--micro-batch-size {args.micro_batch_size} must be >= --group-size {args.group_size}: a "
             f"prompt's samples share one micro-batch so that its log Z is exact"
         )
+    if args.rounds_ahead != 1 and not args.free_running:
+        raise SystemExit("--rounds-ahead bounds the free-running searcher: add --free-running (lockstep is 1 ahead)")
     if not 0.0 <= args.recency_prob <= 1.0:
         raise SystemExit(f"--recency-prob is a probability: choose a value in [0, 1], got {args.recency_prob}")
     if min(args.beta_start, args.beta_end) <= 0:
@@ -429,12 +442,12 @@ if __name__ == "__main__":
     buffer: dict[tuple, list[dict]] = {}
     buffer_lock = threading.Lock()
     sampler = np.random.default_rng(args.seed)  # the trainer's slot draws
-    weights_q: queue.Queue = queue.Queue(maxsize=1)  # the newest weight payload (version, [(name, tensor)])
+    weights_q: queue.Queue = queue.Queue()  # weight payloads (version, [(name, tensor)]); free-running: the newest
     stop, pause_req, paused = threading.Event(), threading.Event(), threading.Event()
     handover = threading.Lock()  # the producer takes weights and hands over batches under it (final checkpoints)
     loading: list = []  # the payload the engine is loading (taken from weights_q, not yet its version)
-    producer_state = dict(next_round=0, update=0, error=None, duplicates=0, evicted=0, gen_tokens=0, gen_total_time=0.0)
-    producer_state.update(gen_time=0.0, ref_time=0.0, producer_wait=0.0, weight_sync=0.0)  # the latest round's timings
+    producer_state = dict(next_round=0, update=0, drawn=0, error=None, duplicates=0, evicted=0, gen_tokens=0)
+    producer_state.update(gen_total_time=0.0, gen_time=0.0, ref_time=0.0, producer_wait=0.0, weight_sync=0.0)
     interrupted = threading.Event()  # Ctrl-C or SIGTERM (the notice a cluster sends before preemption)
     start_update, pending_weights = 0, []
     if ckpt is not None:  # full state dicts: the checkpoint resumes on any number of ranks
@@ -445,8 +458,8 @@ if __name__ == "__main__":
             engine.load_weights(ckpt["engine_weights"].items(), ckpt["engine_version"])
             buffer.update(ckpt["buffer"])
         producer_state.update(ckpt["searcher"])
-        start_update = producer_state["update"] = ckpt["update"]
-        pending_weights = list(ckpt["pending_weights"])  # at most one: the newest payload supersedes older ones
+        start_update = producer_state["update"] = producer_state["drawn"] = ckpt["update"]
+        pending_weights = list(ckpt["pending_weights"])  # in order (free-running: at most one, the newest)
         last_sync = start_update - start_update % args.sync_every
         if not pending_weights and ckpt["engine_version"] < last_sync:  # it ended before handing over its last sync
             payload = weights_copy()
@@ -513,8 +526,11 @@ if __name__ == "__main__":
 
     # ---- algorithm: the searcher generates rounds of P prompts x K samples, with pi_ref's log-probs, into the buffer
     def may_start(n):
-        """Round n may start once the trainer is close enough (rounds ahead); raises queue.Empty to keep waiting."""
-        if args.rounds_ahead < 0 or n <= producer_state["update"] + args.rounds_ahead:
+        """Round n may start once the trainer has drawn update n - 1's batch (lockstep), or is close enough
+        (--free-running: --rounds-ahead); raises queue.Empty to keep waiting."""
+        if not args.free_running and n <= producer_state["drawn"]:
+            return True
+        if args.free_running and (args.rounds_ahead < 0 or n <= producer_state["update"] + args.rounds_ahead):
             return True
         time.sleep(0.02)
         raise queue.Empty
@@ -524,15 +540,17 @@ if __name__ == "__main__":
             while True:
                 n = producer_state["next_round"]
                 t0, sync_time = time.time(), 0.0
-                if s == 0:  # synchronous: round n is generated by version n
-                    while engine.version < n:
-                        item = wait_or_pause(take_payload)
-                        if item is None:
-                            return
-                        sync_time += load_payload(item)
-                elif wait_or_pause(lambda: may_start(n)) is None:
+                if s > 0 and wait_or_pause(lambda: may_start(n)) is None:
                     return
-                if s > 0:  # free-running: take the newest weights handed over, if any, at the start of a round
+                need = n if s == 0 else round_version(n, args.sync_every)  # s = 0: synchronous, version n
+                while (s == 0 or not args.free_running) and engine.version < need:  # the version the schedule fixes
+                    item = wait_or_pause(take_payload)
+                    if item is None:
+                        return
+                    if item[0] > need:
+                        raise RuntimeError(f"round {n} needs version {need}, got {item[0]}")
+                    sync_time += load_payload(item)
+                if s > 0 and args.free_running:  # the newest weights handed over, if any, at the start of a round
                     try:
                         item = take_payload(timeout=0)
                         sync_time += load_payload(item)
@@ -563,7 +581,7 @@ if __name__ == "__main__":
                     part = outs[i : i + args.micro_batch_size]
                     prompts = [unique[(i + j) // K] for j in range(len(part))]
                     mb = collate(prompts, [o["response"] for o in part], tokenizer.pad_token_id, device)
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16), torch.no_grad():
+                    with side_autocast(device.type, args.bf16), torch.no_grad():  # leaves the trainer's cast cache
                         lp, _ = response_logprobs(
                             ref_model, mb, args.temperature, args.logprob_chunk_tokens, with_grad=False
                         )
@@ -704,11 +722,16 @@ if __name__ == "__main__":
             t_wait = time.time()
             # ---- algorithm: wait for a round at most s updates old, then fill P slots by recency or priority
             draw = None  # rank 0 holds the replay buffer and draws from it, for every rank
-            if rank == 0 and trainer_wait_for(
-                lambda: bool(buffer) and max(b[-1]["version"] for b in buffer.values()) >= update - s
+            if rank == 0 and trainer_wait_for(  # lockstep (and s = 0): round `update` is in, and no later one
+                lambda: (
+                    producer_state["next_round"] > update
+                    if not args.free_running
+                    else bool(buffer) and max(b[-1]["version"] for b in buffer.values()) >= update - s
+                )
             ):
                 with buffer_lock:
                     slots = sample_slots(buffer, P, K, m, args.priority_inv_temp, sampler)
+                    producer_state["drawn"] = update + 1  # lockstep: round update + 1 may go in from now on
                     counters = (producer_state["next_round"], (producer_state["duplicates"], producer_state["evicted"]))
                     draw = (slots, sum(len(b) for b in buffer.values()), len(buffer), *counters)  # as of this draw
             draw = broadcast(draw)
@@ -775,7 +798,8 @@ if __name__ == "__main__":
                 payload = weights_copy()
                 if rank == 0:
                     try:
-                        weights_q.get_nowait()  # a payload the searcher has not taken yet is superseded
+                        if args.free_running:  # a payload the searcher has not taken yet is superseded
+                            weights_q.get_nowait()
                     except queue.Empty:
                         pass
                     weights_q.put((update, payload))

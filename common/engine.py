@@ -15,6 +15,7 @@ Both engines have the same members: ``version``, ``dtype``, ``load_weights``, ``
 
 import copy
 import os
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -98,7 +99,9 @@ def sample(
     sharded = is_sharded(model)  # over several ranks (shard_model leaves a world of 1 unsharded): lockstep
     # no_grad for a sharded model: FSDP reuses its all-gather buffers in training, which inference mode would mark
     no_grad = torch.no_grad() if sharded else torch.inference_mode()
-    with no_grad, torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+    # no autocast region at all unless asked: leaving one, even a disabled one, clears torch's process-wide cast cache,
+    # and the engine runs in a thread beside the trainer (common.logprobs.side_autocast says why that matters)
+    with no_grad, torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext():
         for t in range(max_new_tokens):
             if before_step is not None:
                 before_step(t)

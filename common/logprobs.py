@@ -1,10 +1,41 @@
 """The trainer's forward: samples into padded tensors (the layout the HF engine samples with too), and per-token
 log-probs of the responses, the prompt shared by a group run once, without the full-vocabulary blow-up."""
 
+from contextlib import contextmanager
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from common.distributed import is_sharded
+
+
+@contextmanager
+def side_autocast(device_type: str, enabled: bool = True):
+    """bf16 autocast for a thread that runs beside the trainer (a searcher's reference forward): the casts of
+    ``torch.autocast``, but it neither fills nor clears torch's cast cache.
+
+    That cache (one bf16 copy of each fp32 weight per forward) is shared by all threads, and ``torch.autocast`` clears
+    it whenever a thread leaves its outermost region. A clear in the middle of the trainer's forward makes the next use
+    of a weight cast it again: the weight then gets two cast nodes, whose bf16 gradients reach fp32 separately instead
+    of being summed in bf16 first, and the update differs in the last bits depending on when the other thread ran.
+    Here the region is counted in the thread's nesting depth (so nested ``torch.autocast(enabled=False)`` regions,
+    which transformers' rotary embeddings open, do not clear it either) and left without a clear."""
+    if not enabled:
+        yield
+        return
+    prev = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    prev_cache = torch.is_autocast_cache_enabled()  # thread-local, like the enabled flag and the nesting depth
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, torch.bfloat16)
+    torch.set_autocast_cache_enabled(False)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        torch.autocast_decrement_nesting()
+        torch.set_autocast_enabled(device_type, prev[0])
+        torch.set_autocast_dtype(device_type, prev[1])
+        torch.set_autocast_cache_enabled(prev_cache)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

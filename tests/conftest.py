@@ -210,7 +210,9 @@ FAST = [
 
 
 def not_timing(k):
-    return not (k.startswith("time/") or k.endswith("tokens_per_sec") or k == "async/queue_size")
+    """a logged value that does not measure time (time/*, *_per_sec, *_time_frac) nor the queue size, which depends
+    on it: the values a same-seed run must repeat bit for bit"""
+    return not (k.startswith("time/") or k.endswith(("tokens_per_sec", "time_frac")) or k == "async/queue_size")
 
 
 def metrics_of(cwd, name):
@@ -222,19 +224,12 @@ def comparable(rows):
 
 
 def assert_same_run(a, b):
-    """Two runs' comparable metrics are the same run: identical steps, keys and counts, floats within 1e-5.
-
-    Float reductions on CPU are not bit-reproducible across processes while the producer thread runs: CI once saw
-    losses/grad_norm differ by 2 ulp at an update before the interruption (every other value, and every later
-    update, identical). A resume or seeding bug changes samples, rewards and losses far beyond 1e-5."""
+    """Two runs' comparable metrics are the same run, bit for bit: identical steps, keys and values (a resumed run and
+    the uninterrupted one, or two same-seed runs, on one machine; tests/test_reproducible.py)."""
     assert len(a) == len(b), (len(a), len(b))
     for ra, rb in zip(a, b):
         assert ra.keys() == rb.keys(), (ra.get("global_step"), ra.keys() ^ rb.keys())
-        for key, va in ra.items():
-            if isinstance(va, float) or isinstance(rb[key], float):
-                assert rb[key] == pytest.approx(va, rel=1e-5, abs=1e-6), (ra["global_step"], key, va, rb[key])
-            else:
-                assert rb[key] == va, (ra["global_step"], key, va, rb[key])
+        assert ra == rb, (ra["global_step"], {k: (v, rb[k]) for k, v in ra.items() if rb[k] != v})
 
 
 RANK_TIMING = ("time/", "tokens_per_sec", "async/queue_size", "time_frac")

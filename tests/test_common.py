@@ -4,6 +4,7 @@ import json
 import math
 import os
 import platform
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from common.checkpoint import (
 from common.distributed import full_model_state
 from common.engine import HFEngine, inverse_cdf_sample, sample, sampling_logprobs, weight_payload
 from common.evaluation import greedy_eval
-from common.logprobs import collate, left_pad, pad_float, position_ids_from_mask, response_logprobs
+from common.logprobs import collate, left_pad, pad_float, position_ids_from_mask, response_logprobs, side_autocast
 from common.memory import release_free_memory
 from common.models import load_model, load_tokenizer, resolve_model
 from common.tasks import (
@@ -366,6 +367,40 @@ def test_engine_logprobs_match_trainer(tiny):
         behav = pad_float([o["logprobs"] for o in outs], logp.shape[1])
         diff = (logp - behav).abs()[batch["response_mask"]]
         assert diff.mean() < tol, (dtype, diff.mean())
+
+
+def test_threads_beside_the_trainer_leave_its_autocast_cast_cache(tiny):
+    """torch's autocast cache is process-wide and any thread's autocast exit clears it; a clear in the middle of the
+    trainer's forward gives a weight a second cast node, and its gradient other rounding (the cause of same-seed runs
+    that differed at s > 0). The engine's generation and a side_autocast forward in another thread must not clear it;
+    a plain torch.autocast there does (the hazard the test detects), and side_autocast computes the same values."""
+    model, tok = tiny
+    engine = HFEngine(model, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    batch = collate(tiny_prompts(tok, 2), [[5, 6, 7], [8, 9]], tok.pad_token_id)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def weight_cast(y):  # the autograd node that casts the fp32 weight to bf16 for this use
+        return [n for n, _ in y.grad_fn.next_functions if type(n).__name__ == "ToCopyBackward0"][0]
+
+    def cache_survives(side) -> bool:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            first = lin(x)
+            t = threading.Thread(target=side)
+            t.start()
+            t.join()
+            return weight_cast(first) is weight_cast(lin(x))
+
+    def ref_forward(ctx):
+        with ctx, torch.no_grad():
+            return response_logprobs(model, batch, with_grad=False)[0]
+
+    assert cache_survives(lambda: None)
+    assert cache_survives(lambda: engine.generate(tiny_prompts(tok, 2), max_new_tokens=4, seed=0))
+    assert cache_survives(lambda: ref_forward(side_autocast("cpu")))
+    assert not cache_survives(lambda: ref_forward(torch.autocast("cpu", dtype=torch.bfloat16)))
+    assert torch.equal(ref_forward(side_autocast("cpu")), ref_forward(torch.autocast("cpu", dtype=torch.bfloat16)))
+    assert not torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled()  # the state is restored
 
 
 def test_shared_prefill_matches_repeated_prompts(tiny):

@@ -422,6 +422,7 @@ PAPER_SETTINGS = {  # per paper (reproduce/scale/<paper>.sh): its script and the
             learning_rate=1e-5,
             temperature=0.7,
             max_new_tokens=512,
+            free_running=True,
             rounds_ahead=-1,
         ),
     ),

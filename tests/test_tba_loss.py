@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tba import beta_at, buffer_insert, default_updates, log_z, run_plan, sample_slots, tb_loss
+from tba import beta_at, buffer_insert, default_updates, log_z, round_version, run_plan, sample_slots, tb_loss
 
 
 def loop_tb(logp, logp_ref, rewards, slot, beta):
@@ -188,3 +188,15 @@ def test_tba_plan_and_default_length():
     assert run_plan(10, 16) == (
         "plan: all 10 updates train on the initial policy's samples (the first sync would be at update 16)"
     )
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 16])
+def test_round_version_is_the_newest_sync_before_the_update_that_draws_the_round(k):
+    """Lockstep: round n is generated while update n - 1 trains, by the newest weights synced by then (a multiple of
+    k, at most n - 1), and update n draws it: its recency draws are 1 to k updates old."""
+    assert round_version(0, k) == 0
+    for n in range(1, 60):
+        v = round_version(n, k)
+        assert v % k == 0 and v <= n - 1 < v + k  # the newest sync at or before update n - 1
+        assert 1 <= n - v <= k
+    assert [round_version(n, 2) for n in range(7)] == [0, 0, 0, 2, 2, 4, 4]

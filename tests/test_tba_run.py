@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
+from tba import round_version
 
 pytestmark = pytest.mark.run
 
@@ -100,6 +101,7 @@ def test_recency_draws_are_at_most_staleness_updates_old(tiny_model_path, tmp_pa
         str(s),
         "--eval-every",
         "0",
+        "--free-running",
         "--rounds-ahead",
         "-1",
         "--keep-final-state",
@@ -116,6 +118,18 @@ def test_recency_draws_are_at_most_staleness_updates_old(tiny_model_path, tmp_pa
     assert all(v % s == 0 for v in versions) and len(versions) > 1
 
 
+def test_lockstep_searcher_generates_each_round_with_the_version_the_schedule_fixes(tiny_model_path, tmp_path):
+    flags = ["--staleness", "2", "--total-updates", "8", "--eval-every", "0", "--keep-final-state"]
+    run_script("tba.py", "--model", tiny_model_path, *FAST, *flags, "--run-name", "lock", cwd=tmp_path)
+    rows = train_rows(tmp_path, "lock")
+    assert [r["tba/rounds"] for r in rows] == list(range(1, 9))  # update n draws from rounds 0..n, never a later one
+    assert all(1 <= r["tba/recency_age_max"] <= 2 for r in rows[2:])
+    ck = torch.load(tmp_path / "runs" / "lock" / "checkpoint.pt", weights_only=False)
+    items = [h for held in ck["buffer"].values() for h in held]
+    assert all(h["version"] == round_version(h["round"], 2) for h in items)
+    assert {h["version"] for h in items} == {0, 2, 4, 6}
+
+
 def test_rounds_ahead_bounds_the_searcher(tiny_model_path, tmp_path):
     run_script(
         "tba.py",
@@ -124,8 +138,7 @@ def test_rounds_ahead_bounds_the_searcher(tiny_model_path, tmp_path):
         *FAST,
         "--total-updates",
         "6",
-        "--rounds-ahead",
-        "1",
+        "--free-running",
         "--eval-every",
         "0",
         "--run-name",
@@ -146,8 +159,19 @@ def test_resume_at_staleness_zero_reproduces_the_uninterrupted_run(tiny_model_pa
     assert_same_run(comparable(metrics_of(tmp_path, "part")), comparable(metrics_of(tmp_path, "full")))
 
 
+def test_resume_in_lockstep_reproduces_the_uninterrupted_run(tiny_model_path, tmp_path):
+    flags = ["--model", tiny_model_path, *FAST, "--staleness", "2", "--total-updates", "7", "--eval-every", "3"]
+    run_script("tba.py", *flags, "--run-name", "full", cwd=tmp_path)
+    part = run_script("tba.py", *flags, "--debug-interrupt-at", "4", "--run-name", "part", cwd=tmp_path, check=False)
+    assert part.returncode == 130, part.stderr[-2000:]
+    run_script("tba.py", "--resume", str(tmp_path / "runs" / "part"), cwd=tmp_path)
+    full = comparable(metrics_of(tmp_path, "full"))
+    assert_same_run(comparable(metrics_of(tmp_path, "part")), full)
+    assert any(r.get("async/staleness_max", 0) > 0 for r in full)
+
+
 def test_resume_free_running_continues_with_the_buffer(tiny_model_path, tmp_path):
-    flags = ["--model", tiny_model_path, *FAST, "--staleness", "2", "--eval-every", "0"]
+    flags = ["--model", tiny_model_path, *FAST, "--staleness", "2", "--eval-every", "0", "--free-running"]
     run_script("tba.py", *flags, "--total-updates", "3", "--keep-final-state", "--run-name", "r", cwd=tmp_path)
     ck = torch.load(tmp_path / "runs" / "r" / "checkpoint.pt", weights_only=False)
     saved = {p: [tuple(h["response"]) for h in items] for p, items in ck["buffer"].items()}
@@ -195,6 +219,7 @@ def test_searcher_error_ends_the_run(tiny_model_path, tmp_path):
         (["--staleness", "-1"], "--staleness must be >= 0"),
         (["--beta-end", "0"], "--beta-start and --beta-end must be > 0"),
         (["--buffer-capacity", "2"], "--buffer-capacity 2 must be >= --group-size 4"),
+        (["--rounds-ahead", "-1"], "--rounds-ahead bounds the free-running searcher: add --free-running"),
     ],
 )
 def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
