@@ -124,6 +124,9 @@ class Args:
     """gradient clipping norm"""
     bf16: bool = True
     """bf16 autocast for the trainer's forward/backward (master weights and AdamW state stay fp32)"""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """the trainer's attention: sdpa (memory-efficient) or eager (faster on CPUs for short sequences, but it keeps
+    each layer's [heads x length x length] attention map for the backward pass; reproduce/speed/)"""
     micro_batch_size: int = 32
     """sequences per trainer forward/backward (gradients accumulate over a minibatch; bounds activation memory)"""
     logprob_chunk_tokens: int = 1024
@@ -376,13 +379,15 @@ if __name__ == "__main__":
     chat = task.chat if args.chat_template is None else args.chat_template
     model_path = resolve_model(args.model)
     tokenizer = load_tokenizer(model_path)
-    policy = load_model(model_path, meta=rank != 0)  # rank 0: the weights, in CPU memory; the others: its shape
+    policy = load_model(model_path, args.attn_implementation, meta=rank != 0)  # rank 0: weights; others: shape
     policy.config.use_cache = False
     gen_eos = policy.generation_config.eos_token_id
     eos_ids = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
     ref_model = None
     if args.kl_coef > 0:
-        ref_model = shard_model(load_model(model_path, meta=rank != 0).eval().requires_grad_(False), device)
+        ref_model = shard_model(
+            load_model(model_path, args.attn_implementation, meta=rank != 0).eval().requires_grad_(False), device
+        )
     engine = None  # rank 0 owns the rollout engine (made from the full, not yet sharded, policy, on its device)
     if rank == 0:
         engine = make_engine(

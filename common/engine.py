@@ -37,13 +37,17 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return logp
 
 
-def inverse_cdf_sample(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def inverse_cdf_sample(
+    logp: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token per row of [B, V] log-probs: the first index whose cumulative probability exceeds u * total,
-    u ~ U[0, 1). Exact for the categorical distribution (a zero-probability token is never drawn, as its cumulative
-    probability equals its predecessor's) and ~35x faster on CPU than ``torch.multinomial``, which draws an
-    exponential variate for every vocabulary entry (48 ms per step for 64 rows of a 49k vocabulary)."""
+    u ~ U[0, 1) (drawn from ``generator``, or the given [B, 1] ``u``). Exact for the categorical distribution (a
+    zero-probability token is never drawn, as its cumulative probability equals its predecessor's) and ~35x faster on
+    CPU than ``torch.multinomial``, which draws an exponential variate for every vocabulary entry (48 ms per step for
+    64 rows of a 49k vocabulary)."""
     cdf = logp.float().exp().cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)
+    if u is None:
+        u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=cdf.shape[-1] - 1).squeeze(-1)
 
 
@@ -76,6 +80,8 @@ def sample(
     autocast: bool = True,
     n: int = 1,
     before_step=None,
+    compact: bool = True,
+    uniforms: torch.Tensor | None = None,
 ):
     """Sample ``n`` responses per prompt (prompt-major order). Returns (responses, logprobs, truncated) lists.
 
@@ -83,6 +89,13 @@ def sample(
     Greedy decoding reports the log-probs of the temperature-1 distribution. ``before_step(t)``, if given,
     is called before decoding step t (t = 0 is the prefill), i.e. before response token t is sampled; it may
     change the model's weights in place, which then sample token t onwards (the cache of earlier tokens stays).
+
+    ``uniforms``: [rows, max_new_tokens] draws in [0, 1) for the sampled tokens (row-major, as the responses);
+    without them each step draws one per row from ``generator``. ``compact``: finished rows leave the forward (and
+    the KV cache) once they are an eighth of the rows in it (a single-process model; every row still draws at every
+    step). Each row's tokens and log-probs are then those of the full batch bit for bit with bf16 weights, whose
+    matmuls compute a row the same way in any batch (tested); fp32 GEMMs may round a row of a smaller batch
+    differently.
 
     A model sharded over several ranks (``common.distributed.shard_model``) decodes in lockstep: every step is one
     FSDP forward (each block's weights gathered in turn, as in training, never the whole model), so every rank must
@@ -93,6 +106,7 @@ def sample(
     B = ids.shape[0] * n
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
+    act = torch.arange(B, device=device)  # the rows in the forward (compact: the finished ones leave it)
     out_tok, out_lp = [], []
     past = None
     cur_ids, cur_pos = ids, position_ids_from_mask(mask)
@@ -109,20 +123,27 @@ def sample(
                 logits, past, mask, cur_pos = model.fsdp_call(_decode_step, cur_ids, mask, cur_pos, past, n)
             else:
                 logits, past, mask, cur_pos = _decode_step(model, cur_ids, mask, cur_pos, past, n)
+            tok = torch.full((B,), pad_id, dtype=torch.long, device=device)
             if greedy:
                 lp = torch.log_softmax(logits.float(), -1)
-                tok = lp.argmax(-1)
+                tok[act] = lp.argmax(-1)
             else:
                 lp = sampling_logprobs(logits, temperature, top_p)
-                tok = inverse_cdf_sample(lp, generator)
+                u = torch.rand(B, 1, generator=generator, device=device) if uniforms is None else uniforms[:, t : t + 1]
+                tok[act] = inverse_cdf_sample(lp, u=u[act])  # every row draws, in the forward or not
             tok = torch.where(done, torch.full_like(tok, pad_id), tok)
             out_tok.append(tok)
-            out_lp.append(lp.gather(-1, tok[:, None]).squeeze(-1))
+            out_lp.append(torch.zeros(B, device=device).index_put((act,), lp.gather(-1, tok[act, None]).squeeze(-1)))
             alive = ~done
             done = done | torch.isin(tok, eos)
-            mask = torch.cat([mask, alive.long()[:, None]], dim=1)
+            mask = torch.cat([mask, alive[act].long()[:, None]], dim=1)
             cur_pos = cur_pos[:, -1:] + 1
-            cur_ids = tok[:, None]
+            cur_ids = tok[act, None]
+            gone = done[act]
+            if compact and not sharded and 8 * int(gone.sum()) >= len(act) and not bool(gone.all()):
+                keep = (~gone).nonzero().squeeze(-1)
+                act, mask, cur_pos, cur_ids = act[keep], mask[keep], cur_pos[keep], cur_ids[keep]
+                past.batch_select_indices(keep)
             finished = done.all().to(torch.int32)
             if sharded:  # the next step is collective: it is taken unless every rank has finished
                 dist.all_reduce(finished, op=dist.ReduceOp.MIN)
@@ -188,6 +209,8 @@ class HFEngine:
         """
         device = next(self.model.parameters()).device
         gen = torch.Generator(device).manual_seed(seed) if seed is not None else None
+        # every sample's draws at once: a sample is a function of (seed, its index) whatever the batching (max_batch)
+        uniforms = None if greedy else torch.rand(len(prompts) * n, max_new_tokens, generator=gen, device=device)
         results = []
         step = max(1, self.max_batch // n)
         for i in range(0, len(prompts), step):
@@ -207,7 +230,7 @@ class HFEngine:
                 temperature=temperature,
                 top_p=top_p,
                 greedy=greedy,
-                generator=gen,
+                uniforms=None if greedy else uniforms[i * n : (i + step) * n],
                 autocast=False,
                 n=n,
                 before_step=hook,

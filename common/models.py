@@ -93,17 +93,19 @@ def resolve_model(name: str | None) -> str:
     return name
 
 
-def load_model(path: str, dtype=torch.float32, meta: bool = False):
-    """Load a causal LM (trainable, eval mode off) from a resolved path or hub id, in CPU memory. ``meta``: only its
-    structure, on the meta device (no memory, the weights not read), with the folder's generation config: the ranks
-    other than 0 of a sharded run, whose shards ``common.distributed.shard_model`` fills from rank 0's weights."""
+def load_model(path: str, attn_implementation: str | None = None, dtype=torch.float32, meta: bool = False):
+    """Load a causal LM (trainable, eval mode off) from a resolved path or hub id, in CPU memory, with the attention
+    kernel ``attn_implementation`` (None: transformers' default, sdpa). ``meta``: only its structure, on the meta
+    device (no memory, the weights not read), with the folder's generation config: the ranks other than 0 of a sharded
+    run, whose shards ``common.distributed.shard_model`` fills from rank 0's weights."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         if not meta:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **attn)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype, **attn)
         with contextlib.suppress(OSError):  # its eos ids, as from_pretrained reads them (none: the config's, as there)
             model.generation_config = GenerationConfig.from_pretrained(path)
         return model

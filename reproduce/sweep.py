@@ -96,12 +96,15 @@ def testbed_flags(testbed: str, algo: str = "") -> list[str]:
     """The scripts' flags for a testbed: none for arithmetic (the scripts' defaults); for chain its task, digits and the
     generation budget its toy policy was measured at (make_toy_policy.TASK_DEFAULTS), for dapo.py an overlong buffer
     of a quarter of that budget, the share its default (4 of the 16 tokens) has on arithmetic (the DAPO paper: 4096
-    of 20480, a fifth), and for vineppo.py K = 3 Monte Carlo completions per state (CHAIN_MC_SAMPLES)."""
+    of 20480, a fifth), and for vineppo.py K = 3 Monte Carlo completions per state (CHAIN_MC_SAMPLES). On chain every
+    run also generates a whole rollout batch per engine pass, evaluates 256 problems per pass and trains with eager
+    attention (the first two change nothing but speed; eager rounds differently from sdpa: reproduce/speed/README.md)."""
     if testbed == "arithmetic":
         return []
     defaults = TASK_DEFAULTS[testbed]
     budget = defaults["eval_max_new_tokens"]
     flags = ["--task", testbed, "--digits", str(defaults["digits"]), "--max-new-tokens", str(budget)]
+    flags += ["--gen-batch-size", "256", "--eval-batch-size", "256", "--attn-implementation", "eager"]  # speed/
     if algo == "dapo":
         flags += ["--overlong-buffer", str(budget // 4)]
     if algo == "vineppo":

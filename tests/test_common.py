@@ -1,5 +1,6 @@
 """Every helper in common/: tasks and verifiers, model resolution, engine, batching, tracking, checkpoints."""
 
+import copy
 import json
 import math
 import os
@@ -350,6 +351,27 @@ def test_sample_returns_valid_responses(tiny):
         generator=torch.Generator().manual_seed(0),
     )
     assert again[0] == res  # seeded sampling is reproducible
+
+
+def test_finished_rows_leaving_the_forward_and_the_engine_batching_change_nothing_but_speed(tiny):
+    """With bf16 weights a row's tokens and log-probs do not depend on the rows beside it, so dropping finished rows
+    from the forward (compact) and the engine's batch size (--gen-batch-size; it draws every sample's uniforms at
+    once) change the speed only."""
+    model, tok = tiny
+    prompts = tiny_prompts(tok, 6)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    u = torch.rand(6 * 3, 12, generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=12, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, temperature=1.5, n=3)
+    full = sample(bf16, prompts, compact=False, uniforms=u, autocast=False, **kw)
+    assert sample(bf16, prompts, uniforms=u, autocast=False, **kw) == full
+    assert len({len(r) for r in full[0]}) > 2  # rows finish at different steps: rows did leave the forward
+    outs = [
+        HFEngine(model, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, max_batch=mb).generate(
+            prompts, n=3, max_new_tokens=12, temperature=1.5, seed=3
+        )
+        for mb in (3, 6, 64)
+    ]
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_engine_logprobs_match_trainer(tiny):

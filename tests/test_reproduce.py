@@ -93,12 +93,15 @@ def test_toy_flags_and_job_names():
     assert sweep.figure_csv("f", "m2po_staleness", "chain") == os.path.join("f", "m2po_staleness_chain.csv")
     chain = sweep.toy_job({2: "C"}, sweep.SweepArgs(testbed="chain"), "grpo", 0, 2, {})  # the chain testbed: own names
     assert chain.name == "chain_grpo_s0_seed2"
-    assert "--group-size 8 --task chain --digits 1 --max-new-tokens 128 --prompts-per-batch 16" in chain.flags()
+    speed = "--gen-batch-size 256 --eval-batch-size 256 --attn-implementation eager"  # chain's speed settings
+    assert (
+        f"--group-size 8 --task chain --digits 1 --max-new-tokens 128 {speed} --prompts-per-batch 16" in chain.flags()
+    )
     dapo = sweep.toy_job({2: "C"}, sweep.SweepArgs(testbed="chain"), "dapo", 0, 2, {})  # overlong buffer: 1/4 budget
-    assert "--max-new-tokens 128 --overlong-buffer 32 --prompts-per-batch 16" in dapo.flags()
+    assert f"--max-new-tokens 128 {speed} --overlong-buffer 32 --prompts-per-batch 16" in dapo.flags()
     assert "--overlong-buffer" not in sweep.toy_job({2: "C"}, args, "dapo", 0, 2, {}).flags()
     vine = sweep.toy_job({2: "C"}, sweep.SweepArgs(testbed="chain"), "vineppo", 0, 2, {})  # K = 3 MC completions
-    assert f"--max-new-tokens 128 --mc-samples {sweep.CHAIN_MC_SAMPLES} --prompts-per-batch 16" in vine.flags()
+    assert f"--max-new-tokens 128 {speed} --mc-samples {sweep.CHAIN_MC_SAMPLES} --prompts-per-batch 16" in vine.flags()
     assert "--mc-samples" not in sweep.toy_job({2: "C"}, args, "vineppo", 0, 2, {}).flags()
 
 

@@ -33,7 +33,7 @@ ALLOWED = {
     },
     "tba": {
         "checks and setup": "the sync period, whole prompt slots per micro-batch, pi_ref on rank 0, the replay buffer",
-        "rollout producer (thread)": "the searcher fills the replay buffer with the newest weights: no exact-lag FIFO",
+        "rollout producer (thread)": "the searcher fills the replay buffer, round n by the version its number fixes",
         "training loop (algorithm marked)": "draws from the replay buffer; checkpoints hold the buffer and sampler",
         "weight sync to the engine (only versions a future batch is generated with)": "a payload every k updates",
         "logging and checkpoints": "tba/* metrics and the ages of replayed samples",
