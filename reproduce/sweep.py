@@ -98,7 +98,7 @@ def testbed_flags(testbed: str, algo: str = "") -> list[str]:
     of a quarter of that budget, the share its default (4 of the 16 tokens) has on arithmetic (the DAPO paper: 4096
     of 20480, a fifth), and for vineppo.py K = 3 Monte Carlo completions per state (CHAIN_MC_SAMPLES). On chain every
     run also generates a whole rollout batch per engine pass, evaluates 256 problems per pass and trains with eager
-    attention (the first two change nothing but speed; eager rounds differently from sdpa: reproduce/speed/README.md)."""
+    attention (the first two change nothing but speed; eager rounds differently from sdpa; reproduce/speed/)."""
     if testbed == "arithmetic":
         return []
     defaults = TASK_DEFAULTS[testbed]
@@ -484,6 +484,115 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
     mean = sum(values) / n
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
     return mean, sd
+
+
+# ---------------------------------------------------------------- the figures' decision rule (fixed before the runs)
+NO_EFFECT = 2.0  # points: a 95% CI of the mean paired difference within +-this is "no effect at this scale"
+# Student's t, 97.5% quantile, df = 1..30 (two-sided 95% intervals)
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
+T975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (a table to 30, then the Cornish-Fisher
+    expansion around the normal quantile, within 1e-4 there)."""
+    if df < 1:
+        raise ValueError(f"a t-interval needs df >= 1 (two seeds or more), got {df}")
+    if df <= len(T975):
+        return T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def paired_verdict(diffs: list[float], sign: int, no_effect: float = NO_EFFECT) -> dict:
+    """The decision rule every figure states before its runs, on one hypothesis's paired differences (cell a minus
+    cell b, seed by seed, in points; ``sign`` +1 if the hypothesis says a ends above b, -1 below): the mean difference
+    and its 95% t-interval over the seeds, mean +- t975(n - 1) * sd / sqrt(n). A CI that excludes 0 on the
+    hypothesis's side: "holds"; on the other: "reversed"; a CI within +-no_effect: "no effect at this scale";
+    otherwise "undecided, n seeds" (so with one seed). ``agree``: seeds whose difference has the hypothesis's sign."""
+    if sign not in (1, -1):
+        raise ValueError(f"sign must be +1 (a above b) or -1 (a below b), got {sign}")
+    n = len(diffs)
+    mean, sd = mean_sd(diffs)
+    half = t975(n - 1) * sd / math.sqrt(n) if n > 1 else math.inf
+    lo, hi = mean - half, mean + half
+    if lo > 0 or hi < 0:
+        verdict = "holds" if (lo > 0) == (sign > 0) else "reversed"
+    elif -no_effect <= lo and hi <= no_effect:
+        verdict = "no effect at this scale"
+    else:
+        verdict = f"undecided, {n} seeds"
+    return dict(n=n, mean=mean, lo=lo, hi=hi, agree=sum(d * sign > 0 for d in diffs), verdict=verdict, diffs=diffs)
+
+
+@dataclass
+class Hypothesis:
+    """A paper's claim as a test on two named cells of a figure: ``a`` ends above (sign +1) or below (-1) ``b``. A
+    cell is the CSV rows whose columns equal the given values (e.g. {"algo": "m2po", "staleness": 256})."""
+
+    claim: str
+    a: dict
+    b: dict
+    sign: int
+
+
+def seed_values(rows: list[dict], cell: dict, y: str = "eval/accuracy", step: str = "final") -> dict:
+    """{seed: the cell's ``y`` at its last logged global_step ("final") or at global_step 0 ("start")}."""
+    out: dict = {}
+    mine = [r for r in rows if y in r and all(r.get(k) == v for k, v in cell.items())]
+    for r in sorted(mine, key=lambda r: r["global_step"]):
+        if step == "final" or r["global_step"] == 0:
+            out[r["seed"]] = r[y]
+    return out
+
+
+def check_hypotheses(rows: list[dict], hypotheses: list[Hypothesis], scale: float = 100.0) -> list[tuple]:
+    """(hypothesis, paired_verdict of its final greedy accuracies, in points) for each hypothesis whose two cells
+    share seeds in ``rows``; the others are left out."""
+    out = []
+    for h in hypotheses:
+        a, b = seed_values(rows, h.a), seed_values(rows, h.b)
+        seeds = sorted(set(a) & set(b))
+        if seeds:
+            out.append((h, dict(paired_verdict([(a[k] - b[k]) * scale for k in seeds], h.sign), seeds=seeds)))
+    return out
+
+
+def hypothesis_table(rows: list[dict], results: list[tuple]) -> str:
+    """The markdown table of a figure's hypotheses: each cell's final accuracy and gain over its seeds' own start
+    (mean +- sd, %, over the paired seeds), the mean paired difference with its 95% CI, the seeds in the hypothesis's
+    direction, the verdict."""
+    table = []
+    for i, (h, r) in enumerate(results, 1):
+        cells = []
+        for cell in (h.a, h.b):
+            final, start = seed_values(rows, cell), seed_values(rows, cell, step="start")
+            gain = [final[k] - start[k] for k in r["seeds"]]
+            sign = "+" if mean_sd(gain)[0] >= 0 else ""
+            cells.append(f"{pm([final[k] for k in r['seeds']])} ({sign}{pm(gain)})")
+        ci = f"{r['mean']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}]" if r["n"] > 1 else f"{r['mean']:+.1f}"
+        table.append([f"H{i}: {h.claim}", *cells, ci, f"{r['agree']}/{r['n']}", r["verdict"]])
+    header = ["hypothesis", "a: final (gain)", "b: final (gain)", "a - b, 95% CI (points)", "seeds agreeing"]
+    return markdown_table([*header, "verdict"], table)
+
+
+def plot_paired(ax, results: list[tuple]) -> None:
+    """A panel of the hypotheses' paired differences (points): each seed's difference, the mean with its 95% CI,
+    0 and the no-effect band; H1 at the top."""
+    for i, (_, r) in enumerate(results):
+        y = len(results) - 1 - i
+        ax.scatter(r["diffs"], [y] * r["n"], s=10, color="grey", alpha=0.6, zorder=2)
+        if r["n"] > 1:
+            ax.errorbar(
+                r["mean"], y, xerr=[[r["mean"] - r["lo"]], [r["hi"] - r["mean"]]], fmt="o", color="C3", capsize=3
+            )
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.axvspan(-NO_EFFECT, NO_EFFECT, color="C2", alpha=0.12, label=f"no effect (+-{NO_EFFECT:g})")
+    ax.set_yticks(range(len(results)), [f"H{len(results) - i}" for i in range(len(results))])
+    ax.set_xlabel("a - b, final greedy accuracy (points): seeds, mean, 95% CI")
+    ax.set_title("hypotheses: paired differences")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=7, loc="lower right")
 
 
 def plot_curves(

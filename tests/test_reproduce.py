@@ -389,3 +389,67 @@ def test_m2po_staleness_runs_each_learning_rate_under_its_own_names():
     other = by_name["chain_m2po_notr_lr1e-5_s256_seed3"]
     assert "--learning-rate 1e-05" in other.flags() and "--no-trust-region" in other.flags()
     assert not any("m2po_lr" in j.name and "_s0_" in j.name for j in jobs)  # M2PO s=0 only at the main lr
+
+
+def test_t975_is_students_t_quantile():
+    """Against published two-sided 95% critical values, in the table (df <= 30) and beyond it (the expansion)."""
+    published = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 9: 2.262, 19: 2.093, 29: 2.045, 30: 2.042}
+    published |= {31: 2.040, 40: 2.021, 50: 2.009, 60: 2.000, 100: 1.984, 120: 1.980, 1000: 1.962}
+    for df, t in published.items():
+        assert sweep.t975(df) == pytest.approx(t, abs=1e-3), df
+    with pytest.raises(ValueError, match="df >= 1"):
+        sweep.t975(0)
+
+
+@pytest.mark.parametrize(
+    "diffs,sign,verdict",
+    [
+        ([1.0, 2.0, 3.0], 1, "undecided, 3 seeds"),  # mean 2, sd 1: 2 +- 4.303 / sqrt(3) * 1 = [-0.48, 4.48]
+        ([5.0, 6.0, 7.0, 5.0, 6.0, 7.0, 5.0, 6.0, 7.0, 6.0], 1, "holds"),
+        ([5.0, 6.0, 7.0, 5.0, 6.0, 7.0, 5.0, 6.0, 7.0, 6.0], -1, "reversed"),
+        ([-5.0, -6.0, -7.0], -1, "holds"),
+        ([0.5, -0.5, 0.2, 0.0, 0.3, -0.2, 0.1, -0.1, 0.4, -0.3], 1, "no effect at this scale"),
+        ([1.0, 1.0, 1.0], 1, "holds"),  # no spread: the interval is the point 1
+        ([3.0], 1, "undecided, 1 seeds"),  # one seed: no interval
+        (
+            [0.5, 1.9, 1.2, 0.9, 1.5, 1.1, 0.7, 1.6, 1.3, 1.0],
+            -1,
+            "reversed",
+        ),  # excludes 0 and inside +-2: significance first
+    ],
+)
+def test_paired_verdict_applies_the_rule_stated_before_the_runs(diffs, sign, verdict):
+    r = sweep.paired_verdict(diffs, sign)
+    n = len(diffs)
+    mean = sum(diffs) / n
+    assert r["mean"] == pytest.approx(mean) and r["n"] == n and r["verdict"] == verdict
+    if n > 1:  # the t-interval, computed independently
+        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+        half = {3: 4.303, 10: 2.262}[n] * sd / math.sqrt(n)
+        assert (r["lo"], r["hi"]) == (pytest.approx(mean - half), pytest.approx(mean + half))
+    assert r["agree"] == sum(d * sign > 0 for d in diffs)
+    with pytest.raises(ValueError, match="sign"):
+        sweep.paired_verdict(diffs, 0)
+
+
+def test_hypotheses_pair_cells_by_seed_and_report_the_gain_over_each_start():
+    """Seeds are matched by number whatever the row order; a seed missing from one cell is left out; the table gives
+    each cell's final accuracy and gain over its own start, and the paired difference's CI and verdict."""
+
+    def run(algo, seed, start, final):
+        return [
+            dict(algo=algo, seed=seed, global_step=0.0, **{"eval/accuracy": start}),
+            dict(algo=algo, seed=seed, global_step=320.0, **{"eval/accuracy": final}),
+        ]
+
+    rows = run("a", 2.0, 0.30, 0.50) + run("b", 1.0, 0.20, 0.25) + run("a", 1.0, 0.20, 0.30) + run("b", 2.0, 0.30, 0.40)
+    rows += run("a", 3.0, 0.25, 0.90)  # no seed 3 for b: not paired
+    h = sweep.Hypothesis("a above b", {"algo": "a"}, {"algo": "b"}, 1)
+    [(got, r)] = sweep.check_hypotheses(rows, [h, sweep.Hypothesis("absent", {"algo": "c"}, {"algo": "b"}, 1)])
+    assert got is h and r["diffs"] == [pytest.approx(5.0), pytest.approx(10.0)] and r["agree"] == 2
+    assert sweep.seed_values(rows, {"algo": "a"}, step="start") == {1.0: 0.20, 2.0: 0.30, 3.0: 0.25}
+    table = sweep.hypothesis_table(rows, [(h, r)])
+    # seeds 1 and 2: a 30 / 50 (gains 10 / 20), b 25 / 40 (gains 5 / 10); a - b = 5 / 10: 7.5 +- 12.706 * 3.54 / 1.41
+    row = "| H1: a above b | 40.0 ± 14.1 (+15.0 ± 7.1) | 32.5 ± 10.6 (+7.5 ± 3.5) | +7.5 [-24.3, +39.3] | 2/2 |"
+    assert row in table
+    assert table.rstrip().endswith("undecided, 2 seeds |")

@@ -1,5 +1,5 @@
-"""Draw areal_eta.png: (a) final accuracy vs eta for naive PPO and the decoupled loss, (b) throughput vs eta; print
-the numbers.
+"""Draw areal_eta.png: (a) final accuracy vs eta for naive PPO and the decoupled loss, (b) throughput vs eta, (c) the
+hypotheses' paired differences; print the numbers and the hypotheses' verdicts (sweep.paired_verdict).
 
     python reproduce/areal_eta/plot.py [--testbed chain] [--csv areal_eta.csv] [--png areal_eta.png]
 """
@@ -10,10 +10,40 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sweep import figure, final_values, markdown_table, mean_sd, plot_args, pm, read_csv, save
+from sweep import (
+    Hypothesis,
+    check_hypotheses,
+    figure,
+    final_values,
+    hypothesis_table,
+    markdown_table,
+    mean_sd,
+    plot_args,
+    plot_paired,
+    pm,
+    read_csv,
+    save,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SAMPLES_PER_UPDATE = 32  # 16 prompts x 8 samples per batch, 4 updates per batch
+
+
+def cell(loss: str, eta: int) -> dict:
+    return {"part": "accuracy", "loss": loss, "eta": eta}
+
+
+# AReaL's claims on this figure's cells, stated before the runs (README.md); a minus b, seed by seed
+HYPOTHESES = [
+    Hypothesis("staleness costs naive PPO: eta = 16 ends below eta = 0", cell("naive", 16), cell("naive", 0), -1),
+    Hypothesis(
+        "staleness costs the decoupled loss: eta = 16 below eta = 0 (AReaL: it holds)",
+        cell("decoupled", 16),
+        cell("decoupled", 0),
+        -1,
+    ),
+    Hypothesis("the decoupled loss beats naive PPO at eta = 16", cell("decoupled", 16), cell("naive", 16), 1),
+]
 
 
 def throughput(rows: list[dict], part: str = "throughput") -> dict:
@@ -38,7 +68,8 @@ if __name__ == "__main__":
     acc_rows = [dict(r, key=(r["loss"], int(r["eta"]))) for r in rows if r["part"] == "accuracy"]
     final = final_values(acc_rows, "key", "eval/accuracy")
     etas = sorted(e for loss, e in final if loss == "naive" and ("decoupled", e) in final)  # both losses ran
-    fig, (acc, thr) = figure(2)
+    results = check_hypotheses(rows, HYPOTHESES)
+    fig, (acc, thr, paired) = figure(3)
     for loss, label in (("naive", "naive PPO (clip on pi_theta / pi_behav)"), ("decoupled", "decoupled PPO")):
         stats = [mean_sd(final[(loss, e)]) for e in etas]
         acc.errorbar(
@@ -79,6 +110,8 @@ if __name__ == "__main__":
     for ax in (acc, thr):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    plot_paired(paired, results)
+    paired.set_title("(c) hypotheses: paired differences")
     save(fig, args.png)
     table = [
         [e, pm(final[("naive", e)]), pm(final[("decoupled", e)]), pm(speed[e], scale=1.0) if e in speed else "-"]
@@ -89,3 +122,5 @@ if __name__ == "__main__":
     print(markdown_table(header + (["vs synchronous GRPO"] if sync else []), table))
     if sync:
         print(f"synchronous GRPO on both cores: {pm(sync, scale=1.0)} samples/s")
+    print("hypotheses (final greedy accuracy, %; gain: final - the seed's own start):")
+    print(hypothesis_table(rows, results))

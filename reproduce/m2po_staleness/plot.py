@@ -1,6 +1,7 @@
 """Draw m2po_staleness.png: (a) accuracy vs update, (b) clipped / masked token fraction over training, (c) M2 before
 and after M2PO's masking, all at the figure's main learning rate, and (d) where the CSV has runs at several learning
-rates, the final accuracy of each configuration against the learning rate; print the numbers.
+rates, the final accuracy of each configuration against the learning rate, and (e) the hypotheses' paired
+differences; print the numbers and the hypotheses' verdicts (sweep.paired_verdict).
 
     python reproduce/m2po_staleness/plot.py [--testbed chain] [--csv m2po_staleness.csv] [--png m2po_staleness.png]
 """
@@ -11,14 +12,18 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sweep import (
+    Hypothesis,
+    check_hypotheses,
     curves,
     figure,
     final_values,
+    hypothesis_table,
     lr_text,
     markdown_table,
     mean_sd,
     plot_args,
     plot_curves,
+    plot_paired,
     pm,
     read_csv,
     run_means,
@@ -27,6 +32,31 @@ from sweep import (
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ORDER = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=0", "M2PO s=256"]
+HIGH_LR = 1e-4  # the collapse claim is tested where the drift is largest (the chain set's highest learning rate)
+
+
+def hypotheses(main_lr: float | None, high_lr: float | None) -> list[Hypothesis]:
+    """The M2PO paper's claims on this figure's cells, stated before the runs (README.md), at the main learning rate
+    and, for the collapse, at HIGH_LR (a CSV without an lr column: its one learning rate)."""
+
+    def cell(config: str, lr: float | None) -> dict:
+        return {"config": config} if lr is None else {"config": config, "lr": lr}
+
+    at, high = (f" (lr {lr_text(lr)})" if lr else "" for lr in (main_lr, high_lr))
+    m, h = main_lr, high_lr
+    return [
+        Hypothesis(f"M2PO beats GRPO at s = 256{at}", cell("M2PO s=256", m), cell("GRPO s=256", m), 1),
+        Hypothesis(
+            f"M2PO at s = 256 below on-policy GRPO{at} (paper: match)", cell("M2PO s=256", m), cell("GRPO s=0", m), -1
+        ),
+        Hypothesis(f"staleness costs GRPO{at}", cell("GRPO s=256", m), cell("GRPO s=0", m), -1),
+        Hypothesis(
+            f"no trust region collapses at s = 256{high}", cell("no trust region s=256", h), cell("GRPO s=0", h), -1
+        ),
+        Hypothesis(
+            f"M2PO beats no trust region at s = 256{high}", cell("M2PO s=256", h), cell("no trust region s=256", h), 1
+        ),
+    ]
 
 
 if __name__ == "__main__":
@@ -37,7 +67,8 @@ if __name__ == "__main__":
     lrs = sorted({r["lr"] for r in everything if "lr" in r})
     main_lr = next((r["lr"] for r in everything if r["config"] == "M2PO s=0" and "lr" in r), None)
     rows = [r for r in everything if r.get("lr") == main_lr]
-    fig, axes = figure(4 if len(lrs) > 1 else 3)
+    results = check_hypotheses(everything, hypotheses(main_lr, HIGH_LR if HIGH_LR in lrs else main_lr))
+    fig, axes = figure(5 if len(lrs) > 1 else 4)
     acc, frac, m2 = axes[:3]
     plot_curves(acc, rows, "config", "eval/accuracy", order=ORDER, scale=100)
     at = f" (lr {lr_text(main_lr)})" if main_lr else ""
@@ -83,9 +114,11 @@ if __name__ == "__main__":
             by_lr.axhline(100 * sum(starts) / len(starts), color="gray", linestyle=":", linewidth=1, label="start")
         by_lr.set(title="(d) final accuracy vs learning rate", xlabel="learning rate", ylabel="accuracy (%), mean ± sd")
         by_lr.set_xscale("log")
-    for ax in axes:
+    for ax in axes[:-1]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    plot_paired(axes[-1], results)
+    axes[-1].set_title(f"({'e' if len(lrs) > 1 else 'd'}) hypotheses: paired differences")
     save(fig, args.png)
     table = []
     for lr in sorted(lrs, reverse=True) or [None]:  # the learning rates from the largest down
@@ -127,3 +160,5 @@ if __name__ == "__main__":
         "final accuracy per seed (%):",
         {f"{c} lr {lr_text(lr)}" if lr else c: [round(v * 100, 1) for v in vals] for (c, lr), vals in final.items()},
     )
+    print("hypotheses (final greedy accuracy, %; gain: final - the seed's own start):")
+    print(hypothesis_table(everything, results))

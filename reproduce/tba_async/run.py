@@ -4,13 +4,13 @@
     python reproduce/tba_async/run.py --testbed chain   # the same on the chain testbed, one run at a time
     python reproduce/tba_async/plot.py [--testbed chain]  # -> the PNG and the numbers in README.md
 
-Synchronous GRPO: grpo.py at s = 0 (16 prompts x 8 per rollout batch, 4 updates from each). TBA: tba.py with 4
-prompts x 8 per update from its replay buffer (the same 32 samples per update), its searcher free-running (the
-newest weights at each round's start, one round ahead: the wall-clock the paper's asynchrony buys, not bit-reproducible),
-sync period k = 2 (the paper's GSM8K setting) with m in {0.5, 0.95, 1.0}, and k = 16 with the paper's m = 0.95. Same task, lr and budget as the other
-figures (sweep.toy_flags). Cores (--cores-per-run): on arithmetic every run has one of the two cores with another run
-beside it; on chain one run at a time holds both, TBA's searcher and trainer threads a core each and synchronous
-GRPO both cores as intra-op threads, so time/elapsed compares the two ways of using the same machine.
+Synchronous GRPO: grpo.py at s = 0 (16 prompts x 8 per rollout batch, 4 updates from each). TBA: tba.py with 4 prompts x
+8 per update from its replay buffer (the same 32 samples per update), its searcher free-running (the newest weights at
+each round's start, one round ahead: the wall-clock the paper's asynchrony buys, not bit-reproducible), sync period k =
+2 (the paper's GSM8K setting) with m in {0.5, 0.95, 1.0}, and k = 16 with the paper's m = 0.95. Same task, lr and budget
+as the other figures (sweep.toy_flags). Cores (--cores-per-run): on arithmetic every run has one of the two cores with
+another run beside it; on chain one run at a time holds both, TBA's searcher and trainer threads a core each and
+synchronous GRPO both cores as intra-op threads, so time/elapsed compares the two ways of using the same machine.
 """
 
 import os
