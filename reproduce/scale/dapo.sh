@@ -11,8 +11,8 @@
 # 0.7 on a checkpoint); 16000 updates (1000 batches) is ours. node / nodes train on 510 / 518 prompts per batch instead
 # of 512 (below); colocated trains Qwen2.5-1.5B (the 32B does not fit one GPU). Memory: the 32B's fp32 weights + AdamW
 # state are ~512 GiB, ~85 GiB per rank on one node (H200-class GPUs), ~37 GiB on two; the trainer has no activation
-# checkpointing, so a 20k-token sample's activations may still not fit one GPU (not run on GPUs yet: README "GPU
-# status").
+# checkpointing, so a 20k-token sample's activations may still not fit one GPU (not run on GPUs yet:
+# docs/distributed.md, "Not yet run on GPUs").
 [[ "${BASH_SOURCE[0]}" == "$0" ]] && exec bash "$(dirname "$0")/launch.sh" dapo "$@"
 SCRIPT=${SCRIPT:-algorithms/dapo.py}
 COMMON=(--model Qwen/Qwen2.5-32B --task dapo17k --eval-task aime24 --prompt-template dapo

@@ -2,8 +2,8 @@
 # Launch a paper's settings on GPUs with the vLLM engine: one GPU (colocated), one node (vLLM on its own GPUs) or
 # two nodes. The settings of each paper are in reproduce/scale/<paper>.sh (m2po grpo dapo areal tba vineppo), which
 # this file sources; each of those files also runs on its own (bash reproduce/scale/dapo.sh node = bash
-# reproduce/scale/launch.sh dapo node). docs/distributed.md explains the layout; README "Scaling out" lists the
-# memory knobs and the papers' settings.
+# reproduce/scale/launch.sh dapo node). docs/distributed.md explains the layout and lists the memory knobs ("Several
+# nodes, and memory") and the papers' settings ("Launches on GPUs: reproduce/scale/"); README "Recipes" links it.
 #
 #   bash reproduce/scale/launch.sh dapo colocated   # 1 GPU: trainer and vLLM share it
 #   bash reproduce/scale/launch.sh dapo node        # 1 node x 8 GPUs: 6 trainer ranks (FSDP2), vLLM TP=2 on GPUs 6-7
@@ -13,9 +13,9 @@
 #
 # Several nodes: MASTER_ADDR:MASTER_PORT (default 29500) on node 0 must be reachable from every node (torchrun's
 # rendezvous, then NCCL between trainer ranks, on ports NCCL picks: allow traffic between the nodes). The engine and
-# its NCCL weight transfer (127.0.0.1:29555) stay on node 0, beside rank 0. The run folder (runs/) must be on a file
-# system every node sees, for --resume. Extra arguments go to the script after the paper's flags, so they win: e.g.
-# --total-updates 10 for a smoke run, --staleness 64 for a stale run of a synchronous paper.
+# its NCCL weight transfer (127.0.0.1, on a free port the OS picks) stay on node 0, beside rank 0. The run folder
+# (runs/) must be on a file system every node sees, for --resume. Extra arguments go to the script after the paper's
+# flags, so they win: e.g. --total-updates 10 for a smoke run, --staleness 64 for a stale run of a synchronous paper.
 # DRY_RUN=1 prints the command instead of running it (tests/test_distributed.py parses it for every paper and mode).
 #
 # Micro-batches: every rank must run the same number of micro-batches per optimizer update, so that number (each
