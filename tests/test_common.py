@@ -1009,3 +1009,16 @@ def test_weight_payload_copies_every_parameter_in_the_engine_dtype():
     assert not torch.equal(payload[0][1], model[0].weight.detach().to(torch.bfloat16))
     same = weight_payload(model, torch.float32)  # same dtype: still a copy
     assert same[0][1].data_ptr() != model[0].weight.data_ptr()
+
+
+def test_sampling_logprobs_top_p_one_keeps_the_whole_vocabulary():
+    # top_p = 1.0 is plain softmax(logits / T): no nucleus cut. On a 49152-entry vocabulary the float32 cumulative
+    # sum of the sorted probabilities reaches 1 before the tail, so a cut at mass >= 1 would drop ~1.5-2k tokens.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 49152, generator=g) * 3.0
+    lp = sampling_logprobs(logits, 1.0, 1.0)
+    assert torch.isfinite(lp).all()
+    assert torch.equal(lp, torch.log_softmax(logits / 1.0, dim=-1))
+    lp = sampling_logprobs(logits, 0.7, 1.0)
+    assert torch.isfinite(lp).all()
+    assert torch.equal(lp, torch.log_softmax(logits / 0.7, dim=-1))

@@ -170,3 +170,15 @@ def test_importance_weighted_pg_gradient():
     torch.testing.assert_close(loss.detach(), -2.0 * torch.exp(logp.detach() - behav))
     loss.sum().backward()
     torch.testing.assert_close(logp.grad, -2.0 * ratio.detach())  # d(-A r)/d logp = -A r: no clip anywhere
+
+
+def test_paper_mask_mean_exactly_at_tau_is_masked():
+    # M2 = (0.25^2 + 0.5^2) / 2 = 0.15625 = tau exactly (every value exact in binary): "below tau" is strict, so
+    # the largest token goes and the rest (0.0625) is below tau. A `<=` in the first check would keep both.
+    lr = torch.tensor([[0.25, 0.5]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    assert m2po_paper_mask(lr, mask, 0.15625).tolist() == [[True, False]]
+    assert reference_paper_keep([0.0625, 0.25], 0.15625) == [True, False]
+    # after masking the largest, the rest's mean (0.0625) equals tau: not below it, so masking goes on (to all)
+    lr = torch.tensor([[0.25, 0.25, 1.0]])
+    assert m2po_paper_mask(lr, torch.ones(1, 3, dtype=torch.bool), 0.0625).tolist() == [[False, False, False]]
