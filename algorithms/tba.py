@@ -39,7 +39,7 @@ from common.checkpoint import (
     save_model,
     set_rng_state,
 )
-from common.cli import parse
+from common.cli import check_ranges, parse
 from common.distributed import (
     all_ranks,
     barrier,
@@ -89,7 +89,7 @@ class Args:
     """a local copy of the eval benchmark: a file, or a folder with test.* (default: --data-path's test.*, or the
     hub)"""
     eval_size: int = 200
-    """number of held-out problems for the greedy evaluation (0: all of the benchmark)"""
+    """held-out problems in the greedy evaluation (0: all of a dataset's benchmark; arithmetic and chain need >= 1)"""
     prompt_template: Literal["auto", "number", "chain", "grpo", "dapo", "m2po", "tba", "vineppo"] = "auto"
     """the prompt and its verifier (auto: the task's default; docs/tasks.md)"""
     chat_template: bool | None = None
@@ -339,8 +339,6 @@ if __name__ == "__main__":
 
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0 (the sync period in updates; 0: synchronous), got {args.staleness}")
-    if args.checkpoint_minutes < 0:
-        raise SystemExit(f"--checkpoint-minutes must be >= 0 (0: no safety checkpoints), got {args.checkpoint_minutes}")
     if args.group_size < 2:
         raise SystemExit(
             f"--group-size must be >= 2: log Z is the mean over a prompt's samples, so a single sample "
@@ -350,14 +348,14 @@ if __name__ == "__main__":
         args.total_updates = default_updates(args.staleness, 20)
     if args.eval_every is None:
         args.eval_every = default_eval_every(args.total_updates)
-    for name in ("prompts_per_batch", "total_updates", "max_new_tokens", "micro_batch_size", "eval_batch_size"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_ranges(args)  # the shared flags' ranges, as check_shared_args checks them in the other scripts
     if args.micro_batch_size < args.group_size:
         raise SystemExit(
             f"--micro-batch-size {args.micro_batch_size} must be >= --group-size {args.group_size}: a "
             f"prompt's samples share one micro-batch so that its log Z is exact"
         )
+    if args.rounds_ahead < -1:
+        raise SystemExit(f"--rounds-ahead must be >= 0, or -1 (unbounded), got {args.rounds_ahead}")
     if args.rounds_ahead != 1 and not args.free_running:
         raise SystemExit("--rounds-ahead bounds the free-running searcher: add --free-running (lockstep is 1 ahead)")
     if not 0.0 <= args.recency_prob <= 1.0:

@@ -90,7 +90,7 @@ class Args:
     """a local copy of the eval benchmark: a file, or a folder with test.* (default: --data-path's test.*, or the
     hub)"""
     eval_size: int = 200
-    """number of held-out problems for the greedy evaluation (0: all of the benchmark)"""
+    """held-out problems in the greedy evaluation (0: all of a dataset's benchmark; arithmetic and chain need >= 1)"""
     prompt_template: Literal["auto", "number", "chain", "grpo", "dapo", "m2po", "tba", "vineppo"] = "auto"
     """the prompt and its verifier (auto: the task's default; docs/tasks.md)"""
     chat_template: bool | None = None

@@ -77,19 +77,44 @@ def parse(cls, description: str, argv: list[str] | None = None):
     return cls(**values)
 
 
+# flag -> (test, what its value must be), checked by check_ranges wherever a script has the flag
+RANGES = {
+    **{n: (lambda v: v >= 1, ">= 1") for n in ("prompts_per_batch", "updates_per_batch", "total_updates")},
+    **{n: (lambda v: v >= 1, ">= 1") for n in ("max_new_tokens", "micro_batch_size", "eval_batch_size")},
+    "checkpoint_minutes": (lambda v: v >= 0, ">= 0 (0: no safety checkpoints)"),
+    "checkpoint_every": (lambda v: v >= 0, ">= 0 (0: checkpoints only on Ctrl-C/SIGTERM and by wall-clock)"),
+    "eval_every": (lambda v: v >= 0, ">= 0 (0 disables evaluation)"),
+    "eval_size": (lambda v: v >= 0, ">= 0 (0: all of a benchmark)"),
+    "temperature": (lambda v: v > 0, "> 0 (tokens are sampled from softmax(logits / temperature))"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (the nucleus's probability mass; 1 keeps every token)"),
+    "learning_rate": (lambda v: v > 0, "> 0"),
+    "max_grad_norm": (lambda v: v > 0, "> 0 (the gradient's norm is clipped to it)"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "warmup_updates": (lambda v: v >= 0, ">= 0 (0: no warm-up)"),
+    "kl_coef": (lambda v: v >= 0, ">= 0 (0 disables the KL penalty)"),
+    "clip_eps": (lambda v: 0 <= v < 1, "in [0, 1) (the ratio is clipped to [1 - eps, 1 + eps])"),
+    "clip_eps_low": (lambda v: 0 <= v < 1, "in [0, 1) (the ratio's lower bound is 1 - it)"),
+    "clip_eps_high": (lambda v: v >= 0, ">= 0 (the ratio's upper bound is 1 + it)"),
+}
+
+
+def check_ranges(args) -> None:
+    """Refuse, before anything is built, a value outside RANGES for each flag the script has, with a SystemExit that
+    says what the flag must be (a negative temperature or learning rate would otherwise be trained on)."""
+    for name, (ok, need) in RANGES.items():
+        if hasattr(args, name) and not ok(getattr(args, name)):
+            raise SystemExit(f"--{name.replace('_', '-')} must be {need}, got {getattr(args, name)}")
+
+
 def check_shared_args(args, world: int) -> None:
-    """The checks of the settings every script shares, each failure a SystemExit that says what to change, and the
+    """The checks of the settings every script shares (check_ranges among them), each failure a SystemExit that says
+    what to change, and the
     batch arithmetic they imply: fills ``args.batch_size`` (prompts x group size) and ``args.minibatch_size`` (the
     samples of one optimizer update). The minibatch is cut into micro-batches of ``--micro-batch-size``, dealt out
     to the ``world`` trainer ranks, so their number must be a multiple of ``world``."""
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0 (updates of lag), got {args.staleness}")
-    if args.checkpoint_minutes < 0:
-        raise SystemExit(f"--checkpoint-minutes must be >= 0 (0: no safety checkpoints), got {args.checkpoint_minutes}")
-    positive = ("prompts_per_batch", "updates_per_batch", "total_updates", "max_new_tokens", "micro_batch_size")
-    for name in (*positive, "eval_batch_size"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_ranges(args)
     args.batch_size = args.prompts_per_batch * args.group_size
     if args.batch_size % args.updates_per_batch:
         raise SystemExit(

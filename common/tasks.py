@@ -397,6 +397,11 @@ def make_task(
         raise SystemExit(f"--task {name!r} is unknown; choose one of {', '.join(TASKS)}.")
     template = DEFAULT_TEMPLATE[name] if prompt_template == "auto" else prompt_template
     verifier = resolve_template(template)[2]  # also rejects an unknown template before any data is read
+    if name in ("arithmetic", "chain") and eval_size < 1:
+        raise SystemExit(
+            f"--eval-size {eval_size}: --task {name} generates its held-out problems, so there is no 'all of the "
+            f"benchmark' (0 means that for a dataset's benchmark); pass --eval-size N >= 1 (the default is 200)"
+        )
     if name == "arithmetic":
         if eval_task not in (None, "arithmetic") or eval_data_path or data_path:
             raise SystemExit(

@@ -8,7 +8,8 @@ from typing import Literal
 import pytest
 import tyro
 
-from common.cli import check_shared_args, parse
+from common.cli import RANGES, check_ranges, check_shared_args, parse
+from conftest import ROOT
 
 pytestmark = pytest.mark.unit
 
@@ -181,3 +182,36 @@ def test_check_shared_args_fills_the_batch_arithmetic():
 def test_check_shared_args_says_what_to_change(changes, world, message):
     with pytest.raises(SystemExit, match=message):
         check_shared_args(shared(**changes), world)
+
+
+@pytest.mark.parametrize(
+    "flag,bad,good",
+    [
+        ("temperature", [0.0, -1.0], [0.7, 1.0]),
+        ("top_p", [0.0, 1.5, -0.1], [0.9, 1.0]),
+        ("learning_rate", [0.0, -1e-5], [3e-6]),
+        ("eval_every", [-1], [0, 10]),
+        ("checkpoint_every", [-1], [0, 5]),
+        ("eval_size", [-5], [0, 200]),
+        ("kl_coef", [-1.0], [0.0, 0.04]),
+        ("clip_eps", [-0.1, 1.0], [0.0, 0.2]),
+        ("clip_eps_low", [-0.1, 1.5], [0.2]),
+        ("clip_eps_high", [-0.1], [0.0, 0.28]),
+        ("max_grad_norm", [0.0], [1.0]),
+        ("warmup_updates", [-1], [0, 20]),
+        ("max_new_tokens", [0], [1]),
+    ],
+)
+def test_check_ranges_refuses_impossible_values_of_the_flags_a_script_has(flag, bad, good):
+    for value in bad:
+        with pytest.raises(SystemExit, match=rf"^--{flag.replace('_', '-')} must be .*, got {value}$"):
+            check_ranges(SimpleNamespace(**{flag: value}))
+    for value in good:
+        check_ranges(SimpleNamespace(**{flag: value}))
+    check_ranges(SimpleNamespace())  # a script without the flag: nothing to check
+    assert flag in RANGES
+
+
+def test_every_range_names_a_flag_of_some_script():
+    scripts = " ".join(p.read_text() for p in (ROOT / "algorithms").glob("*.py"))
+    assert all(f"\n    {name}: " in scripts for name in RANGES), [n for n in RANGES if f"\n    {n}: " not in scripts]

@@ -373,12 +373,18 @@ def test_parameters_change_after_an_update(tiny_model_path, tmp_path):
         (["--max-nonfinite-skips", "-1"], "--max-nonfinite-skips must be >= 0"),
         (["--prompts-per-batch", "0"], "--prompts-per-batch must be >= 1, got 0"),
         (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--learning-rate", "-1"], "--learning-rate must be > 0"),
+        (["--eval-every", "-1"], "--eval-every must be >= 0"),
+        (["--eval-size", "0"], "--eval-size 0: --task arithmetic generates its held-out problems"),
     ],
 )
 def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
     args = ["--model", tiny_model_path, *FAST, *flags] if "--model" not in flags else [*FAST, *flags]
     proc = run_script("grpo.py", *args, cwd=tmp_path, check=False, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()  # one line, nothing left behind
 
 
 def test_malformed_dataset_row_is_a_clear_error(tiny_model_path, tmp_path):

@@ -220,6 +220,9 @@ def test_searcher_error_ends_the_run(tiny_model_path, tmp_path):
         (["--beta-end", "0"], "--beta-start and --beta-end must be > 0"),
         (["--buffer-capacity", "2"], "--buffer-capacity 2 must be >= --group-size 4"),
         (["--rounds-ahead", "-1"], "--rounds-ahead bounds the free-running searcher: add --free-running"),
+        (["--rounds-ahead", "-2", "--free-running"], "--rounds-ahead must be >= 0, or -1 (unbounded), got -2"),
+        (["--temperature", "-1"], "--temperature must be > 0"),
+        (["--checkpoint-minutes", "-1"], "--checkpoint-minutes must be >= 0"),
     ],
 )
 def test_bad_input_is_a_clear_error(tiny_model_path, tmp_path, flags, message):
