@@ -37,6 +37,8 @@ class Args:
     """sequences per forward/backward (gradient accumulation, as grpo.py --micro-batch-size)"""
     repeats: int = 3
     """measured updates (after one warm-up)"""
+    attn_implementation: str = "sdpa"
+    """the trainer's attention kernel, as the scripts' --attn-implementation (sdpa or eager)"""
     gflops: float = 330.0
     """assumed bf16 matmul throughput of this machine for the roofline (GFLOP/s)"""
 
@@ -44,7 +46,7 @@ class Args:
 if __name__ == "__main__":
     args = tyro.cli(Args)
     path = resolve_model(args.model)
-    tok, policy = load_tokenizer(path), load_model(path)
+    tok, policy = load_tokenizer(path), load_model(path, args.attn_implementation)
     engine = HFEngine(policy, eos_ids=[-1], pad_id=tok.pad_token_id)  # no EOS: every sample has full length
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     task = make_task("arithmetic", eval_size=10)
