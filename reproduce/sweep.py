@@ -559,9 +559,9 @@ def check_hypotheses(rows: list[dict], hypotheses: list[Hypothesis], scale: floa
 
 
 def hypothesis_table(rows: list[dict], results: list[tuple]) -> str:
-    """The markdown table of a figure's hypotheses: each cell's final accuracy and gain over its seeds' own start
-    (mean +- sd, %, over the paired seeds), the mean paired difference with its 95% CI, the seeds in the hypothesis's
-    direction, the verdict."""
+    """The markdown table of a figure's hypotheses, under a heading line: each cell's final accuracy and gain over its
+    seeds' own start (mean +- sd, %, over the paired seeds), the mean paired difference with its 95% CI, the seeds
+    in the hypothesis's direction, the verdict."""
     table = []
     for i, (h, r) in enumerate(results, 1):
         cells = []
@@ -573,10 +573,11 @@ def hypothesis_table(rows: list[dict], results: list[tuple]) -> str:
         ci = f"{r['mean']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}]" if r["n"] > 1 else f"{r['mean']:+.1f}"
         table.append([f"H{i}: {h.claim}", *cells, ci, f"{r['agree']}/{r['n']}", r["verdict"]])
     header = ["hypothesis", "a: final (gain)", "b: final (gain)", "a - b, 95% CI (points)", "seeds agreeing"]
-    return markdown_table([*header, "verdict"], table)
+    heading = "hypotheses (final greedy accuracy, %; gain: final - the seed's own start):\n"
+    return heading + markdown_table([*header, "verdict"], table)
 
 
-def plot_paired(ax, results: list[tuple]) -> None:
+def plot_paired(ax, results: list[tuple], title: str = "hypotheses: paired differences") -> None:
     """A panel of the hypotheses' paired differences (points): each seed's difference, the mean with its 95% CI,
     0 and the no-effect band; H1 at the top."""
     for i, (_, r) in enumerate(results):
@@ -590,7 +591,7 @@ def plot_paired(ax, results: list[tuple]) -> None:
     ax.axvspan(-NO_EFFECT, NO_EFFECT, color="C2", alpha=0.12, label=f"no effect (+-{NO_EFFECT:g})")
     ax.set_yticks(range(len(results)), [f"H{len(results) - i}" for i in range(len(results))])
     ax.set_xlabel("a - b, final greedy accuracy (points): seeds, mean, 95% CI")
-    ax.set_title("hypotheses: paired differences")
+    ax.set_title(title)
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=7, loc="lower right")
 

@@ -110,8 +110,7 @@ if __name__ == "__main__":
     for ax in (acc, thr):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    plot_paired(paired, results)
-    paired.set_title("(c) hypotheses: paired differences")
+    plot_paired(paired, results, "(c) hypotheses: paired differences")
     save(fig, args.png)
     table = [
         [e, pm(final[("naive", e)]), pm(final[("decoupled", e)]), pm(speed[e], scale=1.0) if e in speed else "-"]
@@ -122,5 +121,4 @@ if __name__ == "__main__":
     print(markdown_table(header + (["vs synchronous GRPO"] if sync else []), table))
     if sync:
         print(f"synchronous GRPO on both cores: {pm(sync, scale=1.0)} samples/s")
-    print("hypotheses (final greedy accuracy, %; gain: final - the seed's own start):")
     print(hypothesis_table(rows, results))

@@ -90,8 +90,7 @@ if __name__ == "__main__":
         ax.legend(fontsize=7)
     for ax in (bars, ent, clip, trunc):
         ax.grid(alpha=0.3)
-    plot_paired(paired, results)
-    paired.set_title("(e) hypothesis: paired differences")
+    plot_paired(paired, results, "(e) hypothesis: paired differences")
     save(fig, args.png)
     table = []
     for r, paper in zip(ROWS, PAPER):
@@ -134,5 +133,4 @@ if __name__ == "__main__":
             table,
         )
     )
-    print("hypotheses (final greedy accuracy, %; gain: final - the seed's own start):")
     print(hypothesis_table(rows, results))

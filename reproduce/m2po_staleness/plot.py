@@ -117,8 +117,7 @@ if __name__ == "__main__":
     for ax in axes[:-1]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    plot_paired(axes[-1], results)
-    axes[-1].set_title(f"({'e' if len(lrs) > 1 else 'd'}) hypotheses: paired differences")
+    plot_paired(axes[-1], results, f"({'e' if len(lrs) > 1 else 'd'}) hypotheses: paired differences")
     save(fig, args.png)
     table = []
     for lr in sorted(lrs, reverse=True) or [None]:  # the learning rates from the largest down
@@ -160,5 +159,4 @@ if __name__ == "__main__":
         "final accuracy per seed (%):",
         {f"{c} lr {lr_text(lr)}" if lr else c: [round(v * 100, 1) for v in vals] for (c, lr), vals in final.items()},
     )
-    print("hypotheses (final greedy accuracy, %; gain: final - the seed's own start):")
     print(hypothesis_table(everything, results))

@@ -96,5 +96,4 @@ if __name__ == "__main__":
         f"{sum(start) / max(len(start), 1) * 100:.1f}%"
     )
     print(markdown_table(["algorithm", *[f"s = {s}" for s in stalenesses]], table))
-    print("hypotheses (final greedy accuracy, %; gain: final - the seed's own start):")
     print(hypothesis_table(rows, results))

@@ -57,8 +57,7 @@ if __name__ == "__main__":
     for ax in (wall, upd):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    plot_paired(paired, results)
-    paired.set_title("(c) hypothesis: paired differences")
+    plot_paired(paired, results, "(c) hypothesis: paired differences")
     save(fig, args.png)
     final = final_values(rows, "config", "eval/accuracy")
     data = curves(minutes, "config", "eval/accuracy", x="minutes")
@@ -93,5 +92,4 @@ if __name__ == "__main__":
             table,
         )
     )
-    print("hypotheses (final greedy accuracy, %; gain: final - the seed's own start):")
     print(hypothesis_table(rows, results))

@@ -66,8 +66,7 @@ if __name__ == "__main__":
     for ax in (upd, wall, val):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    plot_paired(paired, results)
-    paired.set_title("(d) hypotheses: paired differences")
+    plot_paired(paired, results, "(d) hypotheses: paired differences")
     save(fig, args.png)
     final = final_values(rows, "estimator", "eval/accuracy")
     data = curves(rows, "estimator", "eval/accuracy")
@@ -98,5 +97,4 @@ if __name__ == "__main__":
             table,
         )
     )
-    print("hypotheses (final greedy accuracy, %; gain: final - the seed's own start):")
     print(hypothesis_table(rows, results))
