@@ -54,6 +54,7 @@ from common.distributed import (
     shard_model,
     shutdown,
 )
+from common.drift import drift_metrics
 from common.engine import make_engine, weight_payload
 from common.evaluation import greedy_eval
 from common.logprobs import collate, pad_float, response_logprobs
@@ -687,7 +688,7 @@ if __name__ == "__main__":
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(update)
             optimizer.zero_grad(set_to_none=True)
-            keys = ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy", "counted", "v_after", "active")
+            keys = ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy", "counted", "v_after", "active", "seq")
             tok, policy_loss, seen_tokens, bounds = {key: [] for key in keys}, 0.0, 0, []
             micros = [idx[i : i + args.micro_batch_size] for i in range(0, n_seqs, args.micro_batch_size)]
             for micro in micros[rank::world]:  # this rank's micro-batches (all of them in one process)
@@ -732,6 +733,7 @@ if __name__ == "__main__":
                 seen_tokens += int(mb["attention_mask"].sum())
                 active = active_tokens((logp - logp_behav).detach(), adv[micro], mask)
                 values = dict(logp=logp, logp_behav=logp_behav, ratio=ratio, clipped=clipped, kl=kl, entropy=entropy)
+                values["seq"] = torch.tensor(micro, device=device)[:, None].expand_as(mask)  # each token's sample
                 values.update(counted=counted, v_after=v_after, active=active)
                 for key, v in values.items():
                     tok[key].append(v.detach()[mask])
@@ -797,6 +799,7 @@ if __name__ == "__main__":
                 "time/weight_sync": batch["weight_sync"] + sync_push,
                 "time/trainer_wait": trainer_wait + sync_push,
                 "time/producer_wait": batch["producer_wait"],
+                **drift_metrics(tok["logp"], tok["logp_behav"], tok["seq"], tok["clipped"], fresh=staleness == 0),
             }
             if bounds:  # effective clip bounds of the micro-batches the trust region constrained (mean)
                 metrics["m2po/eps_low"] = float(np.mean([b[0] for b in bounds]))

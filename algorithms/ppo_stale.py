@@ -54,6 +54,7 @@ from common.distributed import (
     shard_model,
     shutdown,
 )
+from common.drift import drift_metrics
 from common.engine import make_engine, weight_payload
 from common.evaluation import greedy_eval
 from common.logprobs import collate, pad_float, response_logprobs
@@ -754,6 +755,7 @@ if __name__ == "__main__":
                 ).item()
                 seen_tokens += int(mb["attention_mask"].sum())
                 values = dict(logp=logp, logp_behav=logp_behav, ratio=ratio, clipped=clipped, kl=kl, entropy=entropy)
+                values["seq"] = torch.tensor(micro, device=device)[:, None].expand_as(mask)  # each token's sample
                 for key, v in dict(values, version=version, start=start, **info).items():  # info: u, w, capped
                     tok.setdefault(key, []).append(v.detach()[mask])
             # every response token of the minibatch (all ranks), flattened; sums over the ranks
@@ -833,6 +835,8 @@ if __name__ == "__main__":
                     "losses/prox_ratio_max": tok["u"].max().item() if tok["u"].numel() else 1.0,
                 }
             fresh = tok["start"] == update - 1  # tokens of samples generated entirely by the current weights
+            corrected = tok["clipped"] | tok["capped"] if args.decoupled else tok["clipped"]  # clip, and cap
+            metrics |= drift_metrics(tok["logp"], tok["logp_behav"], tok["seq"], corrected, fresh=fresh)
             if fresh.any():  # freshly synced data: engine and trainer log-probs should agree
                 diff = (tok["logp"] - tok["logp_behav"])[fresh].abs()
                 metrics["async/logprob_diff"] = diff.mean().item() if diff.numel() else 0.0

@@ -16,6 +16,7 @@ unverified; --staleness 0 (synchronous, every slot a recency draw) is not the pa
 2503.18929. Docs: docs/tba.md
 """
 
+import contextlib
 import os
 import queue
 import signal
@@ -52,6 +53,7 @@ from common.distributed import (
     shard_model,
     shutdown,
 )
+from common.drift import drift_metrics
 from common.engine import make_engine, weight_payload
 from common.evaluation import greedy_eval
 from common.logprobs import collate, pad_float, response_logprobs, side_autocast
@@ -529,9 +531,8 @@ if __name__ == "__main__":
     def may_start(n):
         """Round n may start once the trainer has drawn update n - 1's batch (lockstep), or is close enough
         (--free-running: --rounds-ahead); raises queue.Empty to keep waiting."""
-        if not args.free_running and n <= producer_state["drawn"]:
-            return True
-        if args.free_running and (args.rounds_ahead < 0 or n <= producer_state["update"] + args.rounds_ahead):
+        near = args.rounds_ahead < 0 or n <= producer_state["update"] + args.rounds_ahead  # --free-running's rule
+        if (args.free_running and near) or (not args.free_running and n <= producer_state["drawn"]):
             return True
         time.sleep(0.02)
         raise queue.Empty
@@ -552,11 +553,8 @@ if __name__ == "__main__":
                         raise RuntimeError(f"round {n} needs version {need}, got {item[0]}")
                     sync_time += load_payload(item)
                 if s > 0 and args.free_running:  # the newest weights handed over, if any, at the start of a round
-                    try:
-                        item = take_payload(timeout=0)
-                        sync_time += load_payload(item)
-                    except queue.Empty:
-                        pass
+                    with contextlib.suppress(queue.Empty):
+                        sync_time += load_payload(take_payload(timeout=0))
                 if wait_or_pause(lambda: True) is None:  # a checkpoint may snapshot us here, between rounds
                     return
                 producer_wait = time.time() - t0 - sync_time
@@ -754,8 +752,7 @@ if __name__ == "__main__":
                 g["lr"] = lr_at(update)
             optimizer.zero_grad(set_to_none=True)
             seq = {key: [] for key in ("logp", "logp_ref", "logz", "delta")}
-            tok = {key: [] for key in ("logp", "logp_behav", "entropy")}
-            fresh_tok = []  # per-token |trainer - engine| log-prob differences of samples of the current version
+            tok = {key: [] for key in ("logp", "logp_behav", "entropy", "sample", "fresh")}  # per response token
             policy_loss, seen_tokens, n_tokens = 0.0, 0, 0
             for micro in micros[rank::world]:  # this rank's micro-batches (all of them in one process)
                 prompts, responses = [list(samples[i][0]) for i in micro], [samples[i][1]["response"] for i in micro]
@@ -775,17 +772,17 @@ if __name__ == "__main__":
                 n_tokens += int(mask.sum())
                 for key, v in dict(logp=seq_logp, logp_ref=logp_ref, logz=lz, delta=delta).items():
                     seq[key].append(v.detach())
-                for key, v in dict(logp=logp, logp_behav=logp_behav, entropy=entropy).items():
-                    tok[key].append(v.detach()[mask])
                 fresh = torch.tensor([samples[i][1]["version"] == update for i in micro], device=device)
-                fresh_tok.append((logp.detach() - logp_behav).abs()[mask & fresh[:, None]])
+                sample = torch.tensor(micro, device=device)[:, None].expand_as(mask)
+                for key, v in dict(logp=logp, logp_behav=logp_behav, entropy=entropy, sample=sample).items():
+                    tok[key].append(v.detach()[mask])
+                tok["fresh"].append(fresh[:, None].expand_as(mask)[mask])
             # every sample and response token of the batch (all ranks), flattened; sums over the ranks
             mine = [i for micro in micros[rank::world] for i in micro]  # this rank's samples, in its order
-            seq, tok, fresh_tok, seq_ids, policy_loss, seen_tokens, n_tokens = merge_ranks(
-                seq, tok, fresh_tok, mine, policy_loss, seen_tokens, n_tokens
+            seq, tok, seq_ids, policy_loss, seen_tokens, n_tokens = merge_ranks(
+                seq, tok, mine, policy_loss, seen_tokens, n_tokens
             )
             seq = {key: v[torch.as_tensor(np.argsort(seq_ids))] for key, v in seq.items()}  # back in sample order
-            fresh_tok = torch.cat(fresh_tok)
             if update + 1 in args.debug_nonfinite_at:  # fault injection for tests: a NaN gradient
                 next(policy.parameters()).grad.fill_(float("nan"))
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -798,11 +795,9 @@ if __name__ == "__main__":
             if update % args.sync_every == 0 and update < args.total_updates:  # every sync_every updates
                 payload = weights_copy()
                 if rank == 0:
-                    try:
-                        if args.free_running:  # a payload the searcher has not taken yet is superseded
+                    if args.free_running:  # a payload the searcher has not taken yet is superseded
+                        with contextlib.suppress(queue.Empty):
                             weights_q.get_nowait()
-                    except queue.Empty:
-                        pass
                     weights_q.put((update, payload))
             producer_state["update"] = update  # published after the payload: a round allowed from now on sees it
             sync_push = time.time() - t1
@@ -852,7 +847,9 @@ if __name__ == "__main__":
                 "time/weight_sync": producer_state["weight_sync"] + sync_push,
                 "time/trainer_wait": trainer_wait + sync_push,
                 "time/producer_wait": producer_state["producer_wait"],
+                **drift_metrics(tok["logp"], tok["logp_behav"], tok["sample"], None, fresh=tok["fresh"]),
             }
+            fresh_tok = (tok["logp"] - tok["logp_behav"]).abs()[tok["fresh"]]
             if fresh_tok.numel():  # samples of the current version: engine and trainer log-probs should agree
                 metrics["async/logprob_diff"] = fresh_tok.mean().item()
                 metrics["async/logprob_diff_max"] = fresh_tok.max().item()

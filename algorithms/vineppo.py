@@ -53,6 +53,7 @@ from common.distributed import (
     shard_model,
     shutdown,
 )
+from common.drift import drift_metrics
 from common.engine import make_engine, weight_payload
 from common.evaluation import greedy_eval
 from common.logprobs import collate, pad_float, response_hidden, response_logprobs
@@ -824,7 +825,7 @@ if __name__ == "__main__":
             optimizer.zero_grad(set_to_none=True)
             if critic is not None:
                 critic_optimizer.zero_grad(set_to_none=True)
-            tok = {key: [] for key in ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy")}
+            tok = {key: [] for key in ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy", "seq")}
             policy_loss, value_loss, seen_tokens = 0.0, 0.0, 0
             micros = [idx[i : i + args.micro_batch_size] for i in range(0, n_seqs, args.micro_batch_size)]
             for micro in micros[rank::world]:  # this rank's micro-batches (all of them in one process)
@@ -857,6 +858,7 @@ if __name__ == "__main__":
                     value_loss += vloss.item()
                 seen_tokens += int(mb["attention_mask"].sum())
                 values = dict(logp=logp, logp_behav=logp_behav, ratio=ratio, clipped=clipped, kl=kl, entropy=entropy)
+                values["seq"] = torch.tensor(micro, device=device)[:, None].expand_as(mask)  # each token's sample
                 for key, v in values.items():
                     tok[key].append(v.detach()[mask])
             # every response token of the minibatch (all ranks), flattened; sums over the ranks
@@ -941,6 +943,7 @@ if __name__ == "__main__":
                 "time/trainer_wait": trainer_wait + sync_push,
                 "time/producer_wait": batch["producer_wait"],
                 **vine_metrics,
+                **drift_metrics(tok["logp"], tok["logp_behav"], tok["seq"], tok["clipped"], fresh=staleness == 0),
             }
             if staleness == 0:  # freshly synced data: engine and trainer log-probs should agree
                 diff = (tok["logp"] - tok["logp_behav"]).abs()

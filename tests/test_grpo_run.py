@@ -52,6 +52,11 @@ def test_smoke_run_logs_every_metric(tiny_model_path, tmp_path):
         "async/queue_size",
         "async/dropped_samples",
         "async/logprob_diff",
+        "async/ess",
+        "async/ess_seq",
+        "async/log_ratio_m2",
+        "async/corrected_frac",
+        "async/mismatch_kl",
         "time/rollout",
         "time/train_step",
         "time/weight_sync",
@@ -122,6 +127,10 @@ def test_staleness_zero_equals_synchronous_loop(tiny_model_path, tmp_path):
     assert all(r["losses/clipfrac"] == 0.0 for r in rows)
     assert all(r["async/logprob_diff"] < 1e-4 for r in rows)
     assert all(abs(r["losses/ratio_mean"] - 1) < 1e-4 for r in rows)
+    # and the drift diagnostics see no drift: w = 1 up to rounding, nothing corrected
+    assert all(r["async/ess"] > 1 - 1e-6 and r["async/ess_seq"] > 1 - 1e-6 for r in rows)
+    assert all(r["async/log_ratio_m2"] < 1e-8 and 0 <= r["async/mismatch_kl"] < 1e-8 for r in rows)
+    assert all(r["async/corrected_frac"] == 0.0 for r in rows)
 
 
 @pytest.mark.parametrize("s", [1, 3])
@@ -149,6 +158,7 @@ def test_consumed_batches_have_exact_staleness(tiny_model_path, tmp_path, s):
     assert [r["async/staleness_max"] for r in rows] == lags
     assert [r["async/staleness_mean"] for r in rows] == lags  # one version per batch: the mean is the lag too
     assert [("async/logprob_diff" in r) for r in rows] == [lag == 0 for lag in lags]  # logged on fresh data only
+    assert [("async/mismatch_kl" in r) for r in rows] == [lag == 0 for lag in lags]
 
 
 def test_staleness_not_multiple_of_updates_per_batch(tiny_model_path, tmp_path):

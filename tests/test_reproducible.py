@@ -24,6 +24,10 @@ LAGGED = {script: ["--staleness", "3", "--updates-per-batch", "1"] for script in
 LAGGED["tba"] = ["--staleness", "2", "--temperature", "1.0"]  # some rewards: the tiny model answers at random
 LAGGED["dapo"] += ["--max-sampling-rounds", "50"]  # the tiny model rarely has a reward spread
 LAGGED["vineppo"] = ["--staleness", "3", "--mc-samples", "2"]
+# per script: the logged fraction(s) whose sum is the share of tokens its correction removed (async/corrected_frac)
+CORRECTED = {script: ["losses/clipfrac"] for script in SCRIPTS}
+CORRECTED["ppo_stale"] = ["losses/clipfrac", "losses/behav_capped_frac"]  # the clip, and the behaviour-weight cap
+CORRECTED["tba"] = []  # trajectory balance has no importance-ratio correction
 
 
 def run_together(script: str, flags: list[str], names: tuple[str, ...], cwd) -> None:
@@ -55,6 +59,22 @@ def test_same_seed_runs_started_together_are_bit_identical_at_a_lag(tiny_model_p
     assert any(r.get("losses/grad_norm", 0) > 0 for r in a)  # real gradients, so the bits have something to differ in
     for ra, rb in zip(a, b):
         assert ra == rb, (script, ra["global_step"], {k: (v, rb.get(k)) for k, v in ra.items() if rb.get(k) != v})
+    assert_drift_diagnostics(script, a)
+
+
+def assert_drift_diagnostics(script: str, rows: list[dict]) -> None:
+    """The async/ drift diagnostics (common/drift.py) in every training row, consistent with the script's own
+    metrics: mismatch_kl exactly where logprob_diff is (tokens sampled by the trained weights), corrected_frac the
+    share its correction removed, and for m2po log_ratio_m2 its M2."""
+    train = [r for r in rows if "losses/grad_norm" in r]
+    assert any("async/mismatch_kl" in r for r in train) and any("async/mismatch_kl" not in r for r in train)
+    for r in train:
+        assert 0 < r["async/ess"] <= 1 + 1e-12 and 0 < r["async/ess_seq"] <= 1 + 1e-12
+        assert r["async/log_ratio_m2"] >= 0
+        assert ("async/mismatch_kl" in r) == ("async/logprob_diff" in r)
+        assert r["async/corrected_frac"] == pytest.approx(sum(r[k] for k in CORRECTED[script]), abs=1e-6)
+        if script == "m2po":
+            assert r["async/log_ratio_m2"] == pytest.approx(r["m2po/M2"], rel=1e-5)
 
 
 def test_a_deep_fifo_is_bit_identical_too(tiny_model_path, tmp_path):
