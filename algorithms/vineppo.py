@@ -10,10 +10,10 @@ and the loss is PPO's clipped surrogate. --value-estimator critic is the paper's
     python algorithms/vineppo.py --staleness 4                    # the warm-up, then 40 updates 4 updates old
     bash reproduce/scale/vineppo.sh node                          # the paper's GSM8K settings: 8 GPUs, vLLM, torchrun
 
-Simplified relative to the paper: steps split on newlines only (its GSM8K choice; no LaTeX-aware splitter for MATH),
-top_p applied in sampling only, a constant learning rate after warm-up, and a critic baseline without value clipping
-and with one GAE setting (lambda = gamma = 1); the step cap, unfinished responses and the KL term follow the authors'
-code. Paper: VinePPO, arXiv 2410.01679; staleness as in M2PO, arXiv 2510.01161. Docs: docs/vineppo.md
+Simplified relative to the paper: steps split on newlines only (its GSM8K choice, no LaTeX-aware MATH splitter), top_p
+in sampling only, a constant learning rate after warm-up, a critic without value clipping and with one GAE setting
+(lambda = gamma = 1). The step cap, unfinished responses and the KL term follow the authors' code, except the MC
+completions' budget (--mc-budget). VinePPO: arXiv 2410.01679; staleness: M2PO, arXiv 2510.01161. Docs: docs/vineppo.md
 """
 
 import os
@@ -176,6 +176,8 @@ class Args:
     """K: Monte Carlo completions per state (the paper's K = 9)"""
     max_steps: int = 25
     """the authors' step cap (GSM8K: 25): states s_0 (prompt) .. s_max_steps get MC values; later ones: the return"""
+    mc_budget: Literal["remaining", "full"] = "remaining"
+    """an MC completion's budget from a state b tokens in: max_new_tokens - b, or max_new_tokens (full, the authors')"""
     epochs: int = 1
     """passes over each rollout batch (the paper: 2); each pass is --updates-per-batch optimizer updates"""
     clip_eps: float = 0.2
@@ -241,22 +243,24 @@ def mc_state_starts(starts: list[int], max_steps: int) -> list[int]:
     return starts[: max_steps + 1]
 
 
-def mc_values(states: list[tuple[list[int], int]], K: int, generate, reward) -> list[float]:
-    """Monte Carlo value of each state (VinePPO sec. 4): V(s) = (1/K) sum_k R(s + c_k), c_k ~ pi(. | s).
+def mc_budget(max_new_tokens: int, b: int, mode: str) -> int:
+    """Tokens an MC completion from a state b response tokens in may add before it is cut (unfinished, reward 0):
+    max_new_tokens - b, what its trajectory had left (remaining), or max_new_tokens afresh, the authors' (full)."""
+    return max_new_tokens - b if mode == "remaining" else max_new_tokens
 
-    ``states``: (prefix ids, token budget) pairs. ``generate(prefixes, n, max_new_tokens)`` returns n (completion ids,
-    truncated) pairs per prefix, prefix-major, in one batched call. A completion that hit the length limit (the engine
-    truncated it, or it runs past its state's budget, the trajectory's own limit) is unfinished and scores
-    UNFINISHED_REWARD without the verifier, as in the authors' code; ``reward(j, completion_ids)`` scores the others
-    (state j's prefix text + completion).
-    """
+
+def mc_values(states: list[tuple[list[int], int]], K: int, generate, reward) -> tuple[list[float], float]:
+    """Monte Carlo value of each state (VinePPO sec. 4), V(s) = (1/K) sum_k R(s + c_k), c_k ~ pi(. | s), and the
+    fraction of completions cut. ``states``: (prefix ids, token budget) pairs; ``generate(prefixes, n, max_new_tokens)``
+    returns n (completion ids, truncated) pairs per prefix, prefix-major, in one batched call. A completion the engine
+    truncated or that runs past its state's budget is cut: unfinished, it scores UNFINISHED_REWARD without the verifier
+    (the authors' code); ``reward(j, completion_ids)`` scores the others (state j's prefix text + completion)."""
     if not states:
-        return []
+        return [], 0.0
     comps = generate([p for p, _ in states], K, max(b for _, b in states))
-    return [
-        sum(UNFINISHED_REWARD if cut or len(c) > budget else reward(j, c) for c, cut in comps[j * K : (j + 1) * K]) / K
-        for j, (_, budget) in enumerate(states)
-    ]
+    cut = [truncated or len(c) > states[i // K][1] for i, (c, truncated) in enumerate(comps)]
+    rewards = [UNFINISHED_REWARD if cut[i] else reward(i // K, c) for i, (c, _) in enumerate(comps)]
+    return [sum(rewards[j * K : (j + 1) * K]) / K for j in range(len(states))], sum(cut) / len(cut)
 
 
 def step_advantages(values: list[float], reward: float, n_steps: int) -> list[float]:
@@ -547,10 +551,8 @@ if __name__ == "__main__":
 
     # ---------------------------------------------------------------- algorithm: the critic option, the MC values
     critic, critic_optimizer, skipped_batches = None, None, ckpt["skipped_batches"] if ckpt else 0
-    if args.value_estimator == "critic":  # a separate network initialised from the same pretrained model
-        critic = shard_model(
-            Critic(load_model(model_path, args.attn_implementation, meta=rank != 0)), device
-        )  # like the policy, own FSDP root
+    if args.value_estimator == "critic":  # a separate network from the same pretrained model (its own FSDP root)
+        critic = shard_model(Critic(load_model(model_path, args.attn_implementation, meta=rank != 0)), device)
         parts = [(critic.lm, args.critic_learning_rate), (critic.head, args.critic_head_learning_rate)]
         critic_optimizer = torch.optim.AdamW(
             [dict(params=m.parameters(), lr=lr) for m, lr in parts], weight_decay=args.weight_decay
@@ -571,7 +573,7 @@ if __name__ == "__main__":
             for i, (o, st) in enumerate(zip(outs, starts))
         ]
         states = list(dict.fromkeys(key for keys in state_keys for key in keys))  # the distinct ones, in order
-        V, values = [], []
+        V, values, cut_frac = [], [], 0.0
         if critic is None:
             seed = args.seed * 1_000_003 + k + 2**40  # the MC rollouts' own sampling seed, from (seed, k)
 
@@ -586,13 +588,13 @@ if __name__ == "__main__":
                 g, prefix = states[j]
                 return task.reward(tokenizer.decode([*prefix, *completion], skip_special_tokens=True), rows[g])
 
-            budgets = [(unique[g] + list(prefix), args.max_new_tokens - len(prefix)) for g, prefix in states]
-            V = mc_values(budgets, args.mc_samples, generate, score)
+            budgets = [(unique[g] + list(p), mc_budget(args.max_new_tokens, len(p), args.mc_budget)) for g, p in states]
+            V, cut_frac = mc_values(budgets, args.mc_samples, generate, score)
             index = {key: j for j, key in enumerate(states)}
             values = [[V[index[key]] for key in keys] for keys in state_keys]
             release_free_memory()
         mc = dict(starts=starts, values=values, state_values=V, mc_rollouts=args.mc_samples * len(V))
-        return dict(mc, mc_version=engine.version, mc_time=time.time() - t0)
+        return dict(mc, mc_version=engine.version, mc_time=time.time() - t0, mc_cut_frac=cut_frac)
 
     # ---------------------------------------------------------------- shared plumbing: rollout producer (thread)
     def wait_or_pause(get):
@@ -891,6 +893,7 @@ if __name__ == "__main__":
             }
             if critic is None:  # the version whose weights made the MC values: the behaviour policy's
                 vine_metrics["vineppo/mc_staleness"] = float((update - 1) - batch["mc_version"])
+                vine_metrics["vineppo/mc_cut_frac"] = batch["mc_cut_frac"]
             else:
                 vine_metrics["losses/value_loss"] = value_loss
             # ---- shared plumbing: weight sync to the engine (only versions a future batch is generated with)

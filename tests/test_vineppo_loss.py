@@ -1,6 +1,6 @@
 """vineppo.py's pure functions against hand-made examples and against independent re-computations of the authors'
-code (McGill-NLP/VinePPO): step splitting, MC values on a known tree of outcomes, the step cap, unfinished
-responses, step advantages, token spreading, whitening, GAE, the PPO clip, the KL term and the ratio guard."""
+code (McGill-NLP/VinePPO): step splitting, MC values on a known tree of outcomes, the MC budget, the step cap,
+unfinished responses, step advantages, token spreading, whitening, GAE, the PPO clip, the KL term, the ratio guard."""
 
 import math
 
@@ -15,6 +15,7 @@ from vineppo import (
     gae,
     k3_kl,
     kl_penalty,
+    mc_budget,
     mc_state_starts,
     mc_values,
     ratio_guard_trips,
@@ -86,7 +87,7 @@ def tree_values(responses, K=6, max_tokens=4):
     def reward(j, c):
         return float("".join(TEXT[t] for t in list(states[j]) + c).endswith("1"))
 
-    V = mc_values([(PROMPT + list(st), max_tokens - len(st)) for st in states], K, fake_generate, reward)
+    V, _ = mc_values([(PROMPT + list(st), max_tokens - len(st)) for st in states], K, fake_generate, reward)
     return dict(zip(states, V))
 
 
@@ -104,16 +105,16 @@ def test_unfinished_completions_score_the_unfinished_reward():
     def reward(j, c):
         return float(c[0] == ONE)  # the verifier would say "1" is right, EOS or not
 
-    assert mc_values([(PROMPT + [A, NL], 2)], 6, fake_generate, reward) == pytest.approx([4 / 6])  # they fit
+    assert mc_values([(PROMPT + [A, NL], 2)], 6, fake_generate, reward) == (pytest.approx([4 / 6]), 0.0)  # they fit
     # a budget of 1 (the trajectory's own limit, with a longer-budget state in the same call): "1" is cut, unfinished
-    V = mc_values([(PROMPT + [A, NL], 1), (PROMPT, 4)], 6, fake_generate, lambda j, c: float(ONE in c))
-    assert V == pytest.approx([UNFINISHED_REWARD, 1 / 3])
+    V, cut_frac = mc_values([(PROMPT + [A, NL], 1), (PROMPT, 4)], 6, fake_generate, lambda j, c: float(ONE in c))
+    assert V == pytest.approx([UNFINISHED_REWARD, 1 / 3]) and cut_frac == 6 / 12
     # the engine's own truncation flag (a state at the longest budget) also makes a completion unfinished
 
     def cut(prefixes, n, T):
         return [([ONE], True)] * (n * len(prefixes))
 
-    assert mc_values([(PROMPT, 1)], 3, cut, lambda j, c: 1.0) == [UNFINISHED_REWARD]
+    assert mc_values([(PROMPT, 1)], 3, cut, lambda j, c: 1.0) == ([UNFINISHED_REWARD], 1.0)
 
 
 def test_each_state_is_held_to_its_own_budget_in_one_batched_call():
@@ -126,8 +127,34 @@ def test_each_state_is_held_to_its_own_budget_in_one_batched_call():
     def reward(j, c):
         return float("".join(TEXT[t] for t in [*states[j][0], *c]).endswith("1"))
 
-    V = mc_values([(PROMPT + list(prefix), budget) for prefix, budget in states], 6, fake_generate, reward)
+    V, _ = mc_values([(PROMPT + list(prefix), budget) for prefix, budget in states], 6, fake_generate, reward)
     assert V == pytest.approx([UNFINISHED_REWARD, 4 / 6, 2 / 6, UNFINISHED_REWARD])
+
+
+@pytest.mark.parametrize("mode", ["remaining", "full"])
+def test_mc_budget_rule_decides_which_completions_are_cut(mode):
+    """--mc-budget: from a state b response tokens in, a completion of L tokens (EOS included) counts as cut when the
+    response it completes, b + L tokens, is longer than max_new_tokens (remaining: the trajectory's own limit), or
+    when the completion alone is (full: the authors' fresh max_new_tokens). Checked against that rule written out,
+    with an engine that cuts at the T it is asked for and flags those cuts, as the engines do."""
+    T, lengths = 6, [1, 2, 3, 4, 5, 6, 7, 9]  # completions ONE * (L - 1) + EOS, one per length
+    asked = []
+
+    def engine(prefixes, n, max_new_tokens):
+        asked.append(max_new_tokens)
+        comps = [[ONE] * (L - 1) + [EOS] for L in lengths] * len(prefixes)
+        return [(c[:max_new_tokens], len(c) > max_new_tokens) for c in comps]
+
+    prefixes = [(), (A, NL), (A, NL, B, NL)]
+    budgets = [mc_budget(T, len(p), mode) for p in prefixes]
+    assert budgets == ([6, 4, 2] if mode == "remaining" else [6, 6, 6])
+    states = [(PROMPT + list(p), budget) for p, budget in zip(prefixes, budgets)]
+    V, cut_frac = mc_values(states, 8, engine, lambda j, c: 1.0)
+    cut = [[(len(p) + L if mode == "remaining" else L) > T for L in lengths] for p in prefixes]
+    assert asked == [T]  # one call, every completion sampled up to max_new_tokens fresh tokens
+    assert V == pytest.approx([1 - sum(c) / 8 for c in cut])  # a cut completion scores 0 (unfinished), the others 1
+    assert cut_frac == sum(map(sum, cut)) / 24
+    assert cut_frac == ((2 + 4 + 6) / 24 if mode == "remaining" else 2 * 3 / 24)  # L > T - b, or L > T
 
 
 def test_truncated_trajectory_scores_the_unfinished_reward():

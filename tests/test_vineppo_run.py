@@ -74,7 +74,7 @@ def test_mc_smoke_logs_every_metric_and_counts_k_rollouts_per_state(tiny_model_p
     assert rows[0]["global_step"] == 0 and "eval/accuracy" in rows[0]
     train = train_rows(tmp_path, "mc")
     assert [r["global_step"] for r in train] == [1, 2, 3]
-    for key in SHARED_KEYS + VINE_KEYS + ["vineppo/mc_staleness", "async/logprob_diff"]:
+    for key in SHARED_KEYS + VINE_KEYS + ["vineppo/mc_staleness", "vineppo/mc_cut_frac", "async/logprob_diff"]:
         assert all(key in r for r in train), key
     for r in train:
         assert r["vineppo/mc_rollouts"] == K * r["vineppo/mc_states"]
@@ -129,6 +129,21 @@ def test_truncated_trajectories_and_mc_rollouts_score_zero(tiny_model_path, tmp_
     assert any(r["charts/truncated_frac"] > 0 for r in train)
 
 
+def test_full_mc_budget_runs_and_logs_the_cut_fraction(tiny_model_path, tmp_path):
+    """--mc-budget full gives every MC completion max_new_tokens fresh tokens, and logs vineppo/mc_cut_frac like the
+    default. The tiny model's responses are one step, so every valued state is a prompt (b = 0), where the two
+    budgets coincide: the runs are then the same run bit for bit (the flag changes nothing but the budget; the
+    budget rule itself: test_vineppo_loss.py), and with two new tokens some completions are cut."""
+    flags = [*FAST, "--mc-samples", str(K), "--max-new-tokens", "2", "--total-updates", "2", "--eval-every", "0"]
+    for mode in ("remaining", "full"):
+        run_script(
+            "vineppo.py", "--model", tiny_model_path, *flags, "--mc-budget", mode, "--run-name", mode, cwd=tmp_path
+        )
+    remaining, full = train_rows(tmp_path, "remaining"), train_rows(tmp_path, "full")
+    assert all(r["vineppo/steps_per_response"] == 1 and 0 < r["vineppo/mc_cut_frac"] <= 1 for r in full)
+    assert_same_run(comparable(remaining), comparable(full))
+
+
 def test_critic_smoke_logs_value_loss_and_saves_the_critic(tiny_model_path, tmp_path):
     run_script(
         "vineppo.py",
@@ -149,7 +164,7 @@ def test_critic_smoke_logs_value_loss_and_saves_the_critic(tiny_model_path, tmp_
     train = train_rows(tmp_path, "critic")
     for key in SHARED_KEYS + VINE_KEYS + ["losses/value_loss"]:
         assert all(key in r for r in train), key
-    assert all(r["vineppo/mc_rollouts"] == 0 for r in train)  # no MC rollouts with a critic
+    assert all(r["vineppo/mc_rollouts"] == 0 and "vineppo/mc_cut_frac" not in r for r in train)  # no MC rollouts
     assert train[0]["vineppo/value_mean"] == 0.0  # zero-initialised head
     assert any(r["charts/reward_mean"] > 0 for r in train)  # some target differs from the initial value 0 ...
     ck = torch.load(tmp_path / "runs" / "critic" / "checkpoint.pt", weights_only=False)

@@ -143,7 +143,7 @@ if __name__ == "__main__":
         def score(j, c):
             return task.reward(tokenizer.decode(list(keys[j][1]) + c, skip_special_tokens=True), rows[keys[j][0]])
 
-        return np.array(mc_values([(prompts[g] + list(r), T - len(r)) for g, r in keys], K, gen, score))
+        return np.array(mc_values([(prompts[g] + list(r), T - len(r)) for g, r in keys], K, gen, score)[0])
 
     t0 = time.time()
     truth = rollout_values(args.truth_samples, args.seed * 1_000_003 + 1)
