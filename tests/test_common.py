@@ -16,9 +16,11 @@ from common import models
 from common.checkpoint import (
     NonFiniteGuard,
     load_checkpoint,
+    lock_run_folder,
     resume_needs_current_weights,
     resumed_args,
     rng_state,
+    run_folder,
     save_checkpoint,
     save_model,
     set_rng_state,
@@ -755,6 +757,63 @@ def test_resumed_args_take_the_checkpoints_settings_but_resume_and_a_new_total()
         assert resumed_args(command_line, ckpt, argv=argv).total_updates == 99
     with pytest.raises(SystemExit, match=r"checkpoint is at update 30; pass --total-updates N with N > 30"):
         resumed_args(RunArgs(total_updates=30), ckpt, argv=["--total-updates", "30"])
+
+
+def new_run(tmp_path, monkeypatch, **kw):
+    """run_folder's view of a script's Args, from ``tmp_path`` as the working folder."""
+    monkeypatch.chdir(tmp_path)
+    return type("Args", (), dict(dict(resume=None, run_name="a", task="t", exp_name="grpo", seed=1), **kw))()
+
+
+def test_run_folder_is_made_locked_and_left_as_found(tmp_path, monkeypatch):
+    args = new_run(tmp_path, monkeypatch, run_name=None)
+    monkeypatch.setattr("common.checkpoint.time.time", lambda: 1234.5)
+    assert run_folder(args, 1) == os.path.join("runs", "t__grpo__1__1234") and args.run_name == "t__grpo__1__1234"
+    assert not (tmp_path / "runs").exists()  # rank 0 makes it
+    release = lock_run_folder("runs/a")
+    assert (tmp_path / "runs" / "a" / ".lock").read_text() == f"{os.getpid()}\n"
+    with pytest.raises(SystemExit) as e:  # a second run in the same folder, while the first is alive
+        lock_run_folder("runs/a")
+    assert str(e.value) == (
+        f"runs/a is in use by another run (process {os.getpid()}); pick another --run-name, or wait for it to end."
+    )
+    release()
+    release()  # atexit calls it again: nothing left to do
+    assert not (tmp_path / "runs").exists()  # a run that stopped before writing anything leaves no folder
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / ".lock").write_text("999999\n")  # left by a killed run: no process holds it
+    lock_run_folder("runs/a")()
+    assert os.listdir(tmp_path / "runs" / "a") == []  # the folder was there before: it stays
+
+
+def test_run_folder_refuses_to_overwrite_a_run(tmp_path, monkeypatch):
+    args = new_run(tmp_path, monkeypatch)
+    folder = tmp_path / "runs" / "a"
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("")  # a run that stopped before logging: the name is free
+    lock_run_folder(folder)()
+    (folder / "metrics.jsonl").write_text('{"global_step": 0}\n')
+    (folder / "model").mkdir()
+    with pytest.raises(SystemExit) as e:
+        run_folder(args, 0)
+    assert str(e.value) == "runs/a already holds a run (metrics.jsonl, model): pick another --run-name."
+    (folder / "checkpoint.pt").write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"\(metrics.jsonl, model, checkpoint.pt\): pick another --run-name, or "):
+        run_folder(args, 0)
+    assert sorted(os.listdir(folder)) == ["checkpoint.pt", "metrics.jsonl", "model"]  # as it was: no .lock left
+    (tmp_path / "blocked").write_text("")  # a file where the folder should go (root may write anywhere)
+    with pytest.raises(SystemExit, match=r"^cannot make the run folder blocked/x \(.*\): run from a folder you can"):
+        lock_run_folder("blocked/x")
+
+
+def test_a_resumed_run_continues_in_the_checkpoints_folder(tmp_path, monkeypatch, capsys):
+    """Wherever the folder was moved: its name is the run name."""
+    for given, name in (("moved/B/checkpoint.pt", "B"), ("moved/C", "C")):  # the checkpoint, or its folder
+        (tmp_path / "moved" / name).mkdir(parents=True)
+        args = new_run(tmp_path, monkeypatch, resume=given, run_name="A")
+        assert run_folder(args, 0, {"update": 3}) == os.path.join("moved", name) and args.run_name == name
+        assert capsys.readouterr().out == f"resumed at update 3: the run continues in {os.path.join('moved', name)}\n"
+    assert not (tmp_path / "runs").exists()
 
 
 def test_greedy_eval_scores_every_problem_once_in_any_batch_size(tiny):

@@ -1,8 +1,11 @@
 """Runs that survive faults, end to end on the tiny Llama: non-finite steps skipped (every script), a SIGKILL after a
-safety checkpoint resumed into the uninterrupted run, SIGTERM handled like Ctrl-C, a failed checkpoint write."""
+safety checkpoint resumed into the uninterrupted run, SIGTERM handled like Ctrl-C, a failed checkpoint write; run
+folders that are not overwritten, shared or recreated elsewhere; bad input refused in one line."""
 
+import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,6 +103,7 @@ def test_sigkill_after_a_safety_checkpoint_resumes_into_the_uninterrupted_run(ti
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert torch.load(tmp_path / "runs" / "killed" / "checkpoint.pt", weights_only=False)["update"] == 3
     assert max(r["global_step"] for r in metrics_of(tmp_path, "killed")) == 4  # a row after the checkpoint's update
+    assert (tmp_path / "runs" / "killed" / ".lock").exists()  # left by the killed process, locked by none
     run_script("grpo.py", "--resume", str(tmp_path / "runs" / "killed"), cwd=tmp_path)
     resumed, full = comparable(metrics_of(tmp_path, "killed")), comparable(metrics_of(tmp_path, "full"))
     assert [r["global_step"] for r in resumed if "losses/policy_loss" in r] == [1, 2, 3, 4, 5, 6]  # one row each
@@ -118,6 +122,12 @@ def test_a_finished_run_leaves_its_model_and_no_training_state_unless_asked(tiny
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("done: 3 updates in ") and f"eval/accuracy {final['eval/accuracy']:.4g}; " in last
     assert last.endswith(f"model {os.path.join('runs', 'safe', 'model')}")
+    files = snapshot(tmp_path)
+    again = run_script("grpo.py", *flags, "--run-name", "safe", cwd=tmp_path, check=False)  # the same name again
+    assert again.returncode == 1 and again.stderr.strip() == (
+        f"{os.path.join('runs', 'safe')} already holds a run (metrics.jsonl, model): pick another --run-name."
+    )
+    assert snapshot(tmp_path) == files  # its metrics, config and model as they were
     trained = load_model(str(folder / "model")).state_dict()
     assert any(not torch.equal(w, load_model(tiny_model_path).state_dict()[k]) for k, w in trained.items())
     again = run_script(
@@ -200,3 +210,64 @@ def test_failed_checkpoint_write_ends_the_run_and_keeps_the_previous_one(tiny_mo
     assert "could not write the checkpoint" in proc.stderr and "the previous checkpoint" in proc.stderr
     assert "is intact" in proc.stderr and "Traceback" not in proc.stderr
     assert torch.load(tmp_path / "runs" / "w" / "checkpoint.pt", weights_only=False)["update"] == 2
+
+
+def snapshot(folder) -> dict:
+    """Every file under ``folder`` with its bytes (and every folder): what a refused run must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def start_run(*flags: str, cwd) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "algorithms" / "grpo.py"), *flags],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_run_folder_has_one_run_at_a_time_and_a_moved_run_resumes_where_it_is(tiny_model_path, tmp_path):
+    """A second run under a running run's name is refused before it builds anything; the first run, stopped by
+    SIGTERM, moved from runs/A to runs/B and resumed there, continues in runs/B under the name B and says where."""
+    flags = ["--model", tiny_model_path, *FAST, "--eval-every", "0"]
+    proc = start_run(*flags, "--total-updates", "400", "--run-name", "A", cwd=tmp_path)
+    for line in proc.stdout:
+        if "] 2/400" in line:
+            break
+    second = run_script("grpo.py", *flags, "--total-updates", "3", "--run-name", "A", cwd=tmp_path, check=False)
+    assert second.returncode == 1 and second.stderr.strip() == (
+        f"{os.path.join('runs', 'A')} is in use by another run (process {proc.pid}); pick another --run-name, or "
+        f"wait for it to end."
+    )
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    update = torch.load(tmp_path / "runs" / "A" / "checkpoint.pt", weights_only=False)["update"]
+    shutil.move(tmp_path / "runs" / "A", tmp_path / "runs" / "B")
+    assert sorted(os.listdir(tmp_path / "runs" / "B")) == ["checkpoint.pt", "config.json", "metrics.jsonl"]
+    resumed = run_script("grpo.py", "--resume", "runs/B", "--total-updates", str(update + 1), cwd=tmp_path)
+    assert f"resumed at update {update}: the run continues in {os.path.join('runs', 'B')}\n" in resumed.stdout
+    assert "[B] arithmetic" in resumed.stdout and os.listdir(tmp_path / "runs") == ["B"]  # runs/A is not made again
+    steps = [r["global_step"] for r in metrics_of(tmp_path, "B") if "losses/policy_loss" in r]
+    assert steps == list(range(1, update + 2))
+    assert json.loads((tmp_path / "runs" / "B" / "config.json").read_text())["run_name"] == "B"
+    assert sorted(os.listdir(tmp_path / "runs" / "B")) == ["config.json", "metrics.jsonl", "model"]
+
+
+@pytest.mark.parametrize(
+    "case,flags,message",
+    [
+        ("read-only working folder", [], "cannot make the run folder runs/r ("),
+    ],
+)
+def test_bad_input_is_one_line_and_changes_nothing(tiny_model_path, tmp_path, monkeypatch, case, flags, message):
+    if case == "read-only working folder":  # root writes anywhere: a file where runs/ should go blocks it the same
+        (tmp_path / "runs").write_text("")
+    files = snapshot(tmp_path)
+    model = [] if "--model" in flags else ["--model", tiny_model_path]
+    proc = run_script("grpo.py", *model, *FAST, *flags, "--run-name", "r", cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
+    assert snapshot(tmp_path) == files  # nothing made, nothing changed
