@@ -79,13 +79,24 @@ def save_model(model, tokenizer, state_dict: dict, out_dir: str | Path) -> Path:
 
 
 def load_checkpoint(path: str | Path) -> dict:
+    """The checkpoint ``path`` (a checkpoint.pt or its run folder) as a dict; a missing, empty, truncated or foreign
+    file is a SystemExit that says so, before the run builds anything."""
     path = Path(path)
     if path.is_dir():
         path = path / "checkpoint.pt"
     if not path.is_file():
         raise SystemExit(f"--resume {path}: no checkpoint there; pass a checkpoint.pt or its run folder.")
-    # memory-mapped: a trainer rank that needs only the settings and counters does not read the tensors
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    try:  # memory-mapped: a trainer rank that needs only the settings and counters does not read the tensors
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # empty or cut short (a full disk, a copy that stopped): torch says it in its own words
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SystemExit(
+            f"--resume {path}: not a readable checkpoint ({path.stat().st_size} bytes; {why}); resume from a "
+            f"complete copy of it."
+        ) from None
+    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("args"), dict) and "update" in ckpt):
+        raise SystemExit(f"--resume {path}: not a checkpoint of these scripts (no run settings and update in it).")
+    return ckpt
 
 
 def resumed_args(args, ckpt: dict, argv: list[str] | None = None):
@@ -93,6 +104,13 @@ def resumed_args(args, ckpt: dict, argv: list[str] | None = None):
     command line (``argv``, default ``sys.argv[1:]``), which trains the run further; a total at or below the
     checkpoint's update is a SystemExit. ``args`` is the parsed command line (an instance of the script's Args)."""
     argv = sys.argv[1:] if argv is None else argv
+    foreign = sorted(set(ckpt["args"]) - set(vars(args)))
+    if foreign:  # another script's settings (dapo.py's overlong_buffer, m2po.py's tau, ...)
+        raise SystemExit(
+            f"--resume {args.resume}: written by {ckpt['args'].get('exp_name', 'another script')}.py, whose settings "
+            f"({', '.join(foreign[:3])}) {getattr(args, 'exp_name', 'this script')}.py does not have; resume it with "
+            f"the script that wrote it."
+        )
     resumed = type(args)(**ckpt["args"])
     resumed.resume = args.resume
     if any(a.split("=")[0] == "--total-updates" for a in argv):

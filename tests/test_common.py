@@ -674,7 +674,7 @@ def test_tracker_wandb_offline(tmp_path, monkeypatch):
 
 
 def test_checkpoint_roundtrip_and_rng(tmp_path):
-    state = {"w": torch.arange(4.0), "rng": rng_state(), "rollouts": [{"k": 1, "outs": [[1, 2]]}]}
+    state = {"args": {}, "update": 0, "w": torch.arange(4.0), "rng": rng_state(), "rollouts": [{"k": 1, "outs": [[1]]}]}
     a = torch.rand(3)
     path = save_checkpoint(tmp_path / "c" / "checkpoint.pt", state)
     assert not list(path.parent.glob("*.tmp"))
@@ -687,7 +687,7 @@ def test_checkpoint_roundtrip_and_rng(tmp_path):
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
-    path = save_checkpoint(tmp_path / "checkpoint.pt", {"update": 1})
+    path = save_checkpoint(tmp_path / "checkpoint.pt", {"args": {}, "update": 1})
     real_save = torch.save
 
     def disk_full(obj, f):  # writes half a file, then the disk is full
@@ -757,6 +757,37 @@ def test_resumed_args_take_the_checkpoints_settings_but_resume_and_a_new_total()
         assert resumed_args(command_line, ckpt, argv=argv).total_updates == 99
     with pytest.raises(SystemExit, match=r"checkpoint is at update 30; pass --total-updates N with N > 30"):
         resumed_args(RunArgs(total_updates=30), ckpt, argv=["--total-updates", "30"])
+
+
+def test_resumed_args_refuse_another_scripts_checkpoint():
+    @dataclass
+    class OtherArgs(RunArgs):
+        exp_name: str = "m2po"
+        tau: float = 0.04
+
+    @dataclass
+    class ThisArgs(RunArgs):
+        exp_name: str = "grpo"
+
+    ckpt = {"update": 3, "args": asdict(OtherArgs(total_updates=6))}
+    with pytest.raises(SystemExit) as e:
+        resumed_args(ThisArgs(resume="runs/x"), ckpt, argv=[])
+    assert str(e.value) == (
+        "--resume runs/x: written by m2po.py, whose settings (tau) grpo.py does not have; resume it with the script "
+        "that wrote it."
+    )
+
+
+def test_load_checkpoint_refuses_an_empty_truncated_or_foreign_file(tmp_path):
+    path = save_checkpoint(tmp_path / "checkpoint.pt", {"args": {"seed": 1}, "update": 2, "w": torch.zeros(1000)})
+    whole = path.read_bytes()
+    for cut in (b"", whole[: len(whole) // 2]):  # a copy that stopped, a disk that filled
+        path.write_bytes(cut)
+        with pytest.raises(SystemExit, match=rf"--resume {path}: not a readable checkpoint \({len(cut)} bytes; "):
+            load_checkpoint(tmp_path)
+    torch.save([1, 2], path)
+    with pytest.raises(SystemExit, match="not a checkpoint of these scripts"):
+        load_checkpoint(path)
 
 
 def new_run(tmp_path, monkeypatch, **kw):

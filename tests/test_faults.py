@@ -2,6 +2,7 @@
 safety checkpoint resumed into the uninterrupted run, SIGTERM handled like Ctrl-C, a failed checkpoint write; run
 folders that are not overwritten, shared or recreated elsewhere; bad input refused in one line."""
 
+import importlib
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -257,13 +259,29 @@ def test_a_run_folder_has_one_run_at_a_time_and_a_moved_run_resumes_where_it_is(
     assert sorted(os.listdir(tmp_path / "runs" / "B")) == ["config.json", "metrics.jsonl", "model"]
 
 
+def bad_checkpoint(tmp_path, kind: str) -> None:
+    """runs/x/checkpoint.pt: empty, cut short, or written by m2po.py."""
+    path = tmp_path / "runs" / "x" / "checkpoint.pt"
+    path.parent.mkdir(parents=True)
+    if kind == "m2po":
+        torch.save({"args": asdict(importlib.import_module("m2po").Args()), "update": 1}, path)
+    else:
+        torch.save({"args": {"seed": 1}, "update": 1, "w": torch.zeros(10_000)}, path)
+        path.write_bytes(path.read_bytes()[: 20_000 if kind == "truncated" else 0])
+
+
 @pytest.mark.parametrize(
     "case,flags,message",
     [
+        ("empty", ["--resume", "runs/x"], "--resume runs/x/checkpoint.pt: not a readable checkpoint (0 bytes; "),
+        ("truncated", ["--resume", "runs/x"], "--resume runs/x/checkpoint.pt: not a readable checkpoint (20000 "),
+        ("m2po", ["--resume", "runs/x"], "--resume runs/x: written by m2po.py, whose settings ("),
         ("read-only working folder", [], "cannot make the run folder runs/r ("),
     ],
 )
 def test_bad_input_is_one_line_and_changes_nothing(tiny_model_path, tmp_path, monkeypatch, case, flags, message):
+    if case in ("empty", "truncated", "m2po"):
+        bad_checkpoint(tmp_path, case)
     if case == "read-only working folder":  # root writes anywhere: a file where runs/ should go blocks it the same
         (tmp_path / "runs").write_text("")
     files = snapshot(tmp_path)
