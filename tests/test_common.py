@@ -847,6 +847,40 @@ def test_a_resumed_run_continues_in_the_checkpoints_folder(tmp_path, monkeypatch
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_failed_metrics_write_keeps_whole_rows_and_says_so(tmp_path):
+    tr = Tracker(tmp_path / "run", {})
+    tr.log({"a": 1}, step=1)
+    real = tr.file
+
+    class DiskFills:  # the disk takes half of the next row, then is full
+        def __init__(self):
+            self.calls = 0
+
+        def write(self, data):
+            self.calls += 1
+            if self.calls == 1:
+                return real.write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+        def fileno(self):
+            return real.fileno()
+
+    tr.file = DiskFills()
+    with pytest.raises(SystemExit) as e:
+        tr.log({"a": 2}, step=2)
+    assert str(e.value) == (
+        f"could not write {tmp_path / 'run' / 'metrics.jsonl'} (No space left on device); it holds every row before "
+        f"update 2, whole. Free disk space; --resume {tmp_path / 'run'} continues from the run's last checkpoint, if "
+        f"it wrote one."
+    )
+    tr.file = real
+    tr.close()
+    assert [r["a"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="could not write to the run folder .*file/run"):
+        Tracker(tmp_path / "file" / "run", {})
+
+
 def test_greedy_eval_scores_every_problem_once_in_any_batch_size(tiny):
     model, tok = tiny
     prompts, rows = tiny_prompts(tok, n=7), list(range(7))

@@ -1,11 +1,12 @@
 """Runs that survive faults, end to end on the tiny Llama: non-finite steps skipped (every script), a SIGKILL after a
-safety checkpoint resumed into the uninterrupted run, SIGTERM handled like Ctrl-C, a failed checkpoint write; run
-folders that are not overwritten, shared or recreated elsewhere; bad input refused in one line."""
+safety checkpoint resumed into the uninterrupted run, SIGTERM handled like Ctrl-C, a failed checkpoint or metrics
+write; run folders that are not overwritten, shared or recreated elsewhere; bad input refused in one line."""
 
 import importlib
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -257,6 +258,32 @@ def test_a_run_folder_has_one_run_at_a_time_and_a_moved_run_resumes_where_it_is(
     assert steps == list(range(1, update + 2))
     assert json.loads((tmp_path / "runs" / "B" / "config.json").read_text())["run_name"] == "B"
     assert sorted(os.listdir(tmp_path / "runs" / "B")) == ["config.json", "metrics.jsonl", "model"]
+
+
+def test_a_failed_metrics_write_ends_the_run_with_whole_rows(tiny_model_path, tmp_path):
+    """The process may write files of at most 16 KB (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a write past it fails
+    with EFBIG, as on a full disk): metrics.jsonl fills up a few updates in, part of a row written."""
+    limit = 16_000
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "algorithms" / "grpo.py"), "--model", tiny_model_path, *FAST]
+        + ["--total-updates", "40", "--eval-every", "0", "--run-name", "full"],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
+    path = tmp_path / "runs" / "full" / "metrics.jsonl"
+    steps = [json.loads(line)["global_step"] for line in path.read_text().splitlines()]  # every line whole
+    assert 1 < len(steps) < 40 and steps == list(range(1, len(steps) + 1))
+    assert "Traceback" not in proc.stderr  # transformers' progress bars go to stderr before it
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        f"could not write {path.relative_to(tmp_path)} (File too large); it holds every row before update "
+        f"{len(steps) + 1}, whole. Free disk space; --resume {os.path.join('runs', 'full')} continues from the run's "
+        f"last checkpoint, if it wrote one."
+    )
+    assert path.stat().st_size + 2_000 > limit  # it failed for want of room
 
 
 def bad_checkpoint(tmp_path, kind: str) -> None:
