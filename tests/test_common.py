@@ -248,6 +248,18 @@ def test_resolve_model_errors_and_folders(tmp_path, tiny_model_path):
         resolve_model(str(tmp_path / "empty"))
     assert resolve_model(tiny_model_path) == tiny_model_path
     assert resolve_model("org/some-model") == "org/some-model"  # a hub id is passed through
+    run = tmp_path / "runs" / "r"  # a run folder: its config.json holds the run's settings, model/ its trained model
+    (run / "model").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"seed": 1, "model": "default"}))
+    with pytest.raises(SystemExit, match=r"config.json is not a model's \(no model_type\)") as e:
+        resolve_model(str(run))
+    assert "trained model" not in str(e.value)  # model/ has no config.json yet
+    (run / "model" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match=f"; its trained model is {run / 'model'}.$"):
+        resolve_model(str(run))
+    (run / "config.json").write_text("not json")
+    with pytest.raises(SystemExit, match="not a model's"):
+        resolve_model(str(run))
 
 
 def test_default_model_is_converted_once_then_cached(tmp_path, monkeypatch, default_tokenizer_path):

@@ -303,12 +303,16 @@ def bad_checkpoint(tmp_path, kind: str) -> None:
         ("empty", ["--resume", "runs/x"], "--resume runs/x/checkpoint.pt: not a readable checkpoint (0 bytes; "),
         ("truncated", ["--resume", "runs/x"], "--resume runs/x/checkpoint.pt: not a readable checkpoint (20000 "),
         ("m2po", ["--resume", "runs/x"], "--resume runs/x: written by m2po.py, whose settings ("),
+        ("run folder as --model", ["--model", "runs/x"], "--model runs/x: its config.json is not a model's"),
         ("read-only working folder", [], "cannot make the run folder runs/r ("),
     ],
 )
 def test_bad_input_is_one_line_and_changes_nothing(tiny_model_path, tmp_path, monkeypatch, case, flags, message):
     if case in ("empty", "truncated", "m2po"):
         bad_checkpoint(tmp_path, case)
+    if case == "run folder as --model":
+        (tmp_path / "runs" / "x").mkdir(parents=True)
+        (tmp_path / "runs" / "x" / "config.json").write_text(json.dumps({"seed": 1}))
     if case == "read-only working folder":  # root writes anywhere: a file where runs/ should go blocks it the same
         (tmp_path / "runs").write_text("")
     files = snapshot(tmp_path)
