@@ -42,7 +42,7 @@ from common.checkpoint import (
     save_model,
     set_rng_state,
 )
-from common.cli import check_shared_args, parse
+from common.cli import check_shared_args, parse, quiet_startup_interrupts
 from common.distributed import (
     all_ranks,
     barrier,
@@ -337,6 +337,7 @@ def admits(started: int, version: int, eta: int, batch_size: int, group_size: in
 
 if __name__ == "__main__":
     # ---------------------------------------------------------------- shared plumbing: checks and setup
+    quiet_startup_interrupts()  # until the loop's handlers: Ctrl-C ends the start-up with one line, exit status 130
     args = parse(Args, __doc__.split("\n\n")[0])
     rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
 

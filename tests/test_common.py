@@ -5,6 +5,7 @@ import json
 import math
 import os
 import platform
+import signal
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from common.checkpoint import (
     save_model,
     set_rng_state,
 )
+from common.cli import quiet_startup_interrupts
 from common.distributed import full_model_state
 from common.engine import HFEngine, inverse_cdf_sample, sample, sampling_logprobs, weight_payload
 from common.evaluation import greedy_eval
@@ -857,6 +859,20 @@ def test_a_resumed_run_continues_in_the_checkpoints_folder(tmp_path, monkeypatch
         assert run_folder(args, 0, {"update": 3}) == os.path.join("moved", name) and args.run_name == name
         assert capsys.readouterr().out == f"resumed at update 3: the run continues in {os.path.join('moved', name)}\n"
     assert not (tmp_path / "runs").exists()
+
+
+def test_quiet_startup_interrupts_end_with_one_line_and_status_130(capsys):
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        quiet_startup_interrupts()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with pytest.raises(SystemExit) as e:
+                signal.raise_signal(sig)
+            assert e.value.code == 130
+            assert capsys.readouterr().err == "interrupted during start-up, before any update: nothing to save\n"
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
 
 
 def test_a_failed_metrics_write_keeps_whole_rows_and_says_so(tmp_path):

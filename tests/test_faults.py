@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 
 import pytest
@@ -284,6 +285,20 @@ def test_a_failed_metrics_write_ends_the_run_with_whole_rows(tiny_model_path, tm
         f"last checkpoint, if it wrote one."
     )
     assert path.stat().st_size + 2_000 > limit  # it failed for want of room
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_leaves_no_folder(default_tokenizer_path, tmp_path):
+    """SIGINT once the run folder is made, while the 135M default model loads: no traceback, exit status 130, and
+    the folder, empty, goes."""
+    proc = start_run("--model", default_tokenizer_path, *FAST, "--run-name", "early", cwd=tmp_path)
+    lock, t0 = tmp_path / "runs" / "early" / ".lock", time.time()
+    while not lock.exists() and proc.poll() is None and time.time() - t0 < 120:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted during start-up, before any update: nothing to save"
+    assert not (tmp_path / "runs").exists()
 
 
 def bad_checkpoint(tmp_path, kind: str) -> None:
