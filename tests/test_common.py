@@ -6,6 +6,7 @@ import math
 import os
 import platform
 import signal
+import socket
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +40,9 @@ from common.tasks import (
     encode_prompt,
     extract_hash_answer,
     extract_last_number,
+    hub_offline,
     load_benchmark,
+    load_rows,
     make_arithmetic_task,
     make_chain_task,
     make_task,
@@ -1119,10 +1122,57 @@ def test_hub_failure_says_how_to_use_a_local_copy(monkeypatch):
         raise ConnectionError("no internet")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr("common.tasks.hub_offline", lambda: False)  # the hub looks reachable; the load fails anyway
     with pytest.raises(
-        SystemExit, match=r"(?s)could not load math500 from the hub \(HuggingFaceH4/MATH-500.*--eval-data-path"
-    ):
+        SystemExit, match=r"could not load math500 from the hub \(HuggingFaceH4/MATH-500.*no internet.*--eval-data-path"
+    ) as e:
         load_benchmark("math500")
+    assert "\n" not in str(e.value)
+
+
+def test_hub_offline_reads_hf_hub_offline_and_probes_the_hubs_host(monkeypatch):
+    probed = []
+
+    def connect(address, timeout):
+        probed.append((address, timeout))
+        raise OSError("no route")
+
+    monkeypatch.setattr("common.tasks.socket.create_connection", connect)
+    for var in ("HF_HUB_OFFLINE", "HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    assert hub_offline() and probed == [(("huggingface.co", 443), 3.0)]
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080")
+    assert hub_offline(0.5) and probed[-1] == (("mirror.example", 8080), 0.5)
+    monkeypatch.setattr("common.tasks.socket.create_connection", lambda address, timeout: socket.socket())
+    assert not hub_offline()  # it took the connection
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub_offline()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr("common.tasks.socket.create_connection", connect)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert not hub_offline()  # behind a proxy the direct probe says nothing
+
+
+def test_an_offline_hub_fails_at_once_with_one_line(monkeypatch):
+    """Offline, the dataset loads from the cache or not at all, without the hub client's retries (about 25 s of
+    "Retrying in 8s" lines) and without touching the network."""
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr("common.tasks.hub_offline", lambda: True)
+
+    def no_network(*a, **k):
+        raise AssertionError("the network was used")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    before = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    with pytest.raises(SystemExit) as e:
+        load_rows("gsm8k", ("asyncrl-test/no-such-dataset", "main", "test"), None, "--eval-data-path")
+    assert str(e.value) == (
+        "could not load gsm8k from the hub (asyncrl-test/no-such-dataset, split test: offline, and no cached copy); "
+        "pass --eval-data-path <a local json/jsonl/parquet copy> instead."
+    )
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == before  # put back
 
 
 def test_a_train_file_next_to_a_test_file_supplies_the_eval_set():

@@ -320,6 +320,7 @@ def bad_checkpoint(tmp_path, kind: str) -> None:
         ("m2po", ["--resume", "runs/x"], "--resume runs/x: written by m2po.py, whose settings ("),
         ("run folder as --model", ["--model", "runs/x"], "--model runs/x: its config.json is not a model's"),
         ("read-only working folder", [], "cannot make the run folder runs/r ("),
+        ("offline hub", ["--task", "gsm8k"], "could not load gsm8k from the hub (openai/gsm8k, split train: offline, "),
     ],
 )
 def test_bad_input_is_one_line_and_changes_nothing(tiny_model_path, tmp_path, monkeypatch, case, flags, message):
@@ -330,6 +331,9 @@ def test_bad_input_is_one_line_and_changes_nothing(tiny_model_path, tmp_path, mo
         (tmp_path / "runs" / "x" / "config.json").write_text(json.dumps({"seed": 1}))
     if case == "read-only working folder":  # root writes anywhere: a file where runs/ should go blocks it the same
         (tmp_path / "runs").write_text("")
+    if case == "offline hub":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("HF_HOME", str(tmp_path.with_name(tmp_path.name + "-hf")))  # no cached copy
     files = snapshot(tmp_path)
     model = [] if "--model" in flags else ["--model", tiny_model_path]
     proc = run_script("grpo.py", *model, *FAST, *flags, "--run-name", "r", cwd=tmp_path, check=False, timeout=120)
