@@ -185,9 +185,10 @@ def lock_run_folder(folder: str | Path, new: bool = True):
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
+    owner = os.getpid()
 
     def release():
-        if f.closed:
+        if f.closed or os.getpid() != owner:  # a forked child (an engine's worker) leaves the run's lock alone
             return
         (folder / LOCK).unlink(missing_ok=True)  # before the lock goes: a run starting now makes a new file
         f.close()

@@ -825,6 +825,11 @@ def test_run_folder_is_made_locked_and_left_as_found(tmp_path, monkeypatch):
     assert str(e.value) == (
         f"runs/a is in use by another run (process {os.getpid()}); pick another --run-name, or wait for it to end."
     )
+    monkeypatch.setattr("common.checkpoint.os.getpid", lambda: -1)  # a forked child's exit: not its lock to drop
+    release()
+    assert (tmp_path / "runs" / "a" / ".lock").exists()
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
     release()
     release()  # atexit calls it again: nothing left to do
     assert not (tmp_path / "runs").exists()  # a run that stopped before writing anything leaves no folder
