@@ -37,11 +37,12 @@ from common.checkpoint import (
     resume_needs_current_weights,
     resumed_args,
     rng_state,
+    run_folder,
     save_checkpoint,
     save_model,
     set_rng_state,
 )
-from common.cli import check_shared_args, parse
+from common.cli import check_shared_args, parse, quiet_startup_interrupts
 from common.distributed import (
     all_ranks,
     barrier,
@@ -337,6 +338,7 @@ def admits(started: int, version: int, eta: int, batch_size: int, group_size: in
 
 if __name__ == "__main__":
     # ---------------------------------------------------------------- shared plumbing: checks and setup
+    quiet_startup_interrupts()  # until the loop's handlers: Ctrl-C ends the start-up with one line, exit status 130
     args = parse(Args, __doc__.split("\n\n")[0])
     rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
 
@@ -360,10 +362,8 @@ if __name__ == "__main__":
     if args.eval_every is None:
         args.eval_every = default_eval_every(args.total_updates)
     check_shared_args(args, world)  # the batch arithmetic: fills args.batch_size and args.minibatch_size
-    run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-    args.run_name = run_name
-    run_dir = os.path.join("runs", run_name)
-    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    run_dir = run_folder(args, rank, ckpt)  # runs/<run name>, or --resume's folder; rank 0 makes, checks and locks it
+    run_name, ckpt_path = args.run_name, os.path.join(run_dir, "checkpoint.pt")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
 

@@ -1,16 +1,22 @@
-"""Checkpoints: one torch file per save, written atomically (a crash never leaves half a file), and the guard that
-keeps a non-finite loss or gradient out of the weights."""
+"""Checkpoints: one torch file per save, written atomically (a crash never leaves half a file), the run folder that
+holds them (made, locked and checked before a run builds anything), and the guard that keeps a non-finite loss or
+gradient out of the weights."""
 
+import atexit
+import fcntl
 import json
 import math
 import os
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from common.distributed import broadcast
 
 
 def rng_state() -> dict:
@@ -73,13 +79,24 @@ def save_model(model, tokenizer, state_dict: dict, out_dir: str | Path) -> Path:
 
 
 def load_checkpoint(path: str | Path) -> dict:
+    """The checkpoint ``path`` (a checkpoint.pt or its run folder) as a dict; a missing, empty, truncated or foreign
+    file is a SystemExit that says so, before the run builds anything."""
     path = Path(path)
     if path.is_dir():
         path = path / "checkpoint.pt"
     if not path.is_file():
         raise SystemExit(f"--resume {path}: no checkpoint there; pass a checkpoint.pt or its run folder.")
-    # memory-mapped: a trainer rank that needs only the settings and counters does not read the tensors
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    try:  # memory-mapped: a trainer rank that needs only the settings and counters does not read the tensors
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # empty or cut short (a full disk, a copy that stopped): torch says it in its own words
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SystemExit(
+            f"--resume {path}: not a readable checkpoint ({path.stat().st_size} bytes; {why}); resume from a "
+            f"complete copy of it."
+        ) from None
+    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("args"), dict) and "update" in ckpt):
+        raise SystemExit(f"--resume {path}: not a checkpoint of these scripts (no run settings and update in it).")
+    return ckpt
 
 
 def resumed_args(args, ckpt: dict, argv: list[str] | None = None):
@@ -87,6 +104,13 @@ def resumed_args(args, ckpt: dict, argv: list[str] | None = None):
     command line (``argv``, default ``sys.argv[1:]``), which trains the run further; a total at or below the
     checkpoint's update is a SystemExit. ``args`` is the parsed command line (an instance of the script's Args)."""
     argv = sys.argv[1:] if argv is None else argv
+    foreign = sorted(set(ckpt["args"]) - set(vars(args)))
+    if foreign:  # another script's settings (dapo.py's overlong_buffer, m2po.py's tau, ...)
+        raise SystemExit(
+            f"--resume {args.resume}: written by {ckpt['args'].get('exp_name', 'another script')}.py, whose settings "
+            f"({', '.join(foreign[:3])}) {getattr(args, 'exp_name', 'this script')}.py does not have; resume it with "
+            f"the script that wrote it."
+        )
     resumed = type(args)(**ckpt["args"])
     resumed.resume = args.resume
     if any(a.split("=")[0] == "--total-updates" for a in argv):
@@ -97,6 +121,90 @@ def resumed_args(args, ckpt: dict, argv: list[str] | None = None):
             f"N > {ckpt['update']} to train further"
         )
     return resumed
+
+
+RUN_FILES = ("metrics.jsonl", "model", "checkpoint.pt")  # what a run leaves in its folder once it has logged
+LOCK = ".lock"  # in the run folder, flock()ed by the process that runs in it, with its process id
+
+
+def run_folder(args, rank: int, ckpt: dict | None = None) -> str:
+    """The run's folder: runs/<--run-name> for a new run (default <task>__<exp_name>__<seed>__<unix time>, rank 0's
+    clock), or for --resume the folder holding the checkpoint, whose name becomes the run name (``args.run_name``)
+    wherever it was moved. Rank 0 makes and locks it (lock_run_folder) and says where a resumed run (``ckpt``)
+    continues. Returns the folder's path."""
+    if args.resume:
+        folder = Path(args.resume) if Path(args.resume).is_dir() else Path(args.resume).parent
+        args.run_name = folder.resolve().name
+    else:
+        args.run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
+        folder = Path("runs") / args.run_name
+    if rank == 0:
+        lock_run_folder(folder, new=not args.resume)
+        if ckpt is not None:
+            print(f"resumed at update {ckpt['update']}: the run continues in {folder}", flush=True)
+    return str(folder)
+
+
+def lock_run_folder(folder: str | Path, new: bool = True):
+    """Make ``folder`` and hold it for the life of this process: an exclusive flock() on its .lock file, which the
+    kernel drops when the process ends, however it ends, so a killed run never leaves it stuck. Refused with a
+    SystemExit that says what to change: a folder that another live process holds (two runs would tear each other's
+    metrics lines), for a ``new`` run a folder that already holds a run (metrics, a trained model or a checkpoint:
+    its files would be overwritten), and a folder that cannot be made (a read-only working folder). At exit the lock
+    file goes, and so do the folder and its parent when this call made them and they are left empty (a run stopped
+    by bad input leaves nothing). Returns that release function (atexit calls it too; once is enough)."""
+    folder = Path(folder)
+    made = [d for d in (folder, *folder.parents) if not d.exists()]  # deepest first
+    for _ in range(3):  # again if the lock file was removed between open() and flock() by a run that just ended
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            f = open(folder / LOCK, "a+")
+        except OSError as e:
+            raise SystemExit(
+                f"cannot make the run folder {folder} ({e.strerror or e}): run from a folder you can write to."
+            ) from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            f.close()
+            raise SystemExit(
+                f"{folder} is in use by another run (process {pid}); pick another --run-name, or wait for it to end."
+            ) from None
+        try:
+            held, named = os.fstat(f.fileno()), os.stat(folder / LOCK)
+            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    else:
+        raise SystemExit(f"{folder}: could not lock its {LOCK} file; another run keeps starting and ending there.")
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    owner = os.getpid()
+
+    def release():
+        if f.closed or os.getpid() != owner:  # a forked child (an engine's worker) leaves the run's lock alone
+            return
+        (folder / LOCK).unlink(missing_ok=True)  # before the lock goes: a run starting now makes a new file
+        f.close()
+        for d in made:  # the folder, then runs/, when this call made them and nothing is in them
+            try:
+                d.rmdir()
+            except OSError:
+                break
+
+    atexit.register(release)
+    found = [n for n in RUN_FILES if (folder / n).exists() and (n != "metrics.jsonl" or (folder / n).stat().st_size)]
+    if new and found:
+        release()
+        again = f", or continue it with --resume {folder}" if "checkpoint.pt" in found else ""
+        raise SystemExit(f"{folder} already holds a run ({', '.join(found)}): pick another --run-name{again}.")
+    return release
 
 
 def resume_needs_current_weights(ckpt: dict, needed: dict[int, int]) -> bool:

@@ -14,6 +14,8 @@ docstring that states its own ``(default: ...)`` gets no second one from tyro.
 import ast
 import dataclasses
 import inspect
+import os
+import signal
 import sys
 import textwrap
 import typing
@@ -75,6 +77,20 @@ def parse(cls, description: str, argv: list[str] | None = None):
     for name, _ in nested:
         values.update(vars(getattr(parsed, name)))
     return cls(**values)
+
+
+def quiet_startup_interrupts() -> None:
+    """Until the script installs its own handlers (from its training loop on, Ctrl-C and SIGTERM stop the run with a
+    checkpoint), Ctrl-C or SIGTERM ends the start-up with one line, on rank 0 (``RANK``), and exit status 130
+    instead of a traceback; exit handlers still run (the run folder's lock goes, and an empty run folder with it)."""
+
+    def stop(signum, frame):
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted during start-up, before any update: nothing to save", file=sys.stderr, flush=True)
+        raise SystemExit(130)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
 
 
 # flag -> (test, what its value must be), checked by check_ranges wherever a script has the flag

@@ -7,6 +7,7 @@ once into a normal Hugging Face folder, and cache the folder outside the reposit
 
 import contextlib
 import importlib.metadata
+import json
 import os
 from pathlib import Path
 
@@ -84,6 +85,16 @@ def resolve_model(name: str | None) -> str:
     if p.exists():
         if not (p / "config.json").is_file():
             raise SystemExit(f"--model {name}: folder has no config.json; pass a Hugging Face model folder.")
+        try:
+            config = json.loads((p / "config.json").read_text())
+        except (ValueError, OSError):
+            config = None
+        if not (isinstance(config, dict) and config.get("model_type")):  # a run's config.json holds its settings
+            trained = f"; its trained model is {p / 'model'}" if (p / "model" / "config.json").is_file() else ""
+            raise SystemExit(
+                f"--model {name}: its config.json is not a model's (no model_type); pass a Hugging Face model "
+                f"folder{trained}."
+            )
         return str(p)
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise SystemExit(

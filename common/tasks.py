@@ -22,10 +22,13 @@ Prompt templates (``--prompt-template``), each with the verifier its paper used 
 """
 
 import json
+import os
 import random
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlparse
 
 from common.verifiers import check_answer, extract_hash_answer, last_boxed, normalise_number
 
@@ -326,6 +329,21 @@ def _split_file(folder: Path, split: str) -> Path | None:
     return found[0] if found else None
 
 
+def hub_offline(timeout: float = 3.0) -> bool:
+    """Whether the hub is out of reach: HF_HUB_OFFLINE is set, or its host (HF_ENDPOINT, default huggingface.co) takes
+    no connection within ``timeout`` seconds. Behind a proxy (HTTPS_PROXY, ALL_PROXY) the hub counts as reachable."""
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout).close()
+        return False
+    except OSError:  # no name resolution, no route, refused, timed out
+        return True
+
+
 def load_rows(name: str, source: tuple, path: str | None, flag: str) -> list[dict]:
     """The {question, answer} rows of dataset ``name``: from ``path`` (a file, or a folder with <split>.jsonl/
     .json/.parquet) when given, else from the hub ``source`` = (hub id, config, split)."""
@@ -345,13 +363,22 @@ def load_rows(name: str, source: tuple, path: str | None, flag: str) -> list[dic
         raise SystemExit(
             f"{name} from the hub needs `pip install datasets`; or pass {flag} <a local json/jsonl/parquet copy>."
         ) from None
+    import datasets.config
+    import huggingface_hub.constants
+
+    offline, saved = hub_offline(), (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
     try:
+        if offline:  # only a cached copy can load: ask for it alone, at once, not after the hub client's retries
+            datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
         ds = datasets.load_dataset(hub, config, split=split) if config else datasets.load_dataset(hub, split=split)
     except Exception as e:  # offline, unknown revision, ...: say what to do instead
+        why = "offline, and no cached copy" if offline else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         raise SystemExit(
-            f"could not load {name} from the hub ({hub}, split {split}): {type(e).__name__}: {e}\n"
-            f"pass {flag} <a local json/jsonl/parquet copy> instead."
+            f"could not load {name} from the hub ({hub}, split {split}: {why}); pass {flag} <a local json/jsonl/"
+            f"parquet copy> instead."
         ) from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
     return [normalise_row(r, f"{hub}[{split}] row {i}") for i, r in enumerate(ds, 1)]
 
 

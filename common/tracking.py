@@ -36,7 +36,8 @@ def progress_line(
 
 class Tracker:
     """Writes each ``log`` call as one JSON line (with ``global_step`` and ``time/elapsed``, wall-clock seconds since
-    the run started, carried on across a resume); mirrors to wandb when enabled.
+    the run started, carried on across a resume); mirrors to wandb when enabled. A write that fails (disk full) is
+    taken back, so the file holds whole rows, and ends the run with a SystemExit that says so.
 
     ``resume``: the update a resumed run continues from (its checkpoint's). The file keeps the rows up to it and
     drops later ones (logged by a run killed after that checkpoint, and logged again now): one row per update."""
@@ -54,18 +55,24 @@ class Tracker:
         self.run_dir, self.enabled = Path(run_dir), enabled
         if not enabled:  # a trainer rank other than 0: logging is rank 0's
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / "metrics.jsonl"
-        lines = path.read_text().splitlines() if resume is not None and path.exists() else []
-        kept = [r for r in map(parse_row, lines) if r is not None and r.get("global_step", 0) <= resume]
-        if len(kept) < len(lines):  # rewritten atomically: a kill now leaves the old file or the new one
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, path)
+        self.path = self.run_dir / "metrics.jsonl"
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            lines = self.path.read_text().splitlines() if resume is not None and self.path.exists() else []
+            kept = [r for r in map(parse_row, lines) if r is not None and r.get("global_step", 0) <= resume]
+            if len(kept) < len(lines):  # rewritten atomically: a kill now leaves the old file or the new one
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                os.replace(tmp, self.path)
+            # unbuffered bytes: a row is on disk once log() returns, and a failed write can be taken back (log)
+            self.file = open(self.path, "ab" if resume is not None else "wb", buffering=0)
+            with open(self.run_dir / "config.json", "w") as f:
+                json.dump(config, f, indent=2, default=str)
+        except OSError as e:
+            raise SystemExit(
+                f"could not write to the run folder {run_dir} ({e.strerror or e}): free disk space or make it writable."
+            ) from None
         self.offset = max((r.get("time/elapsed", 0.0) for r in kept), default=0.0)  # a resumed run's clock goes on
-        self.file = open(path, "a" if resume is not None else "w")
-        with open(self.run_dir / "config.json", "w") as f:
-            json.dump(config, f, indent=2, default=str)
         self.wandb = None
         if track:
             import wandb  # imported only when asked for
@@ -89,8 +96,16 @@ class Tracker:
             **{k: (float(v) if hasattr(v, "item") else v) for k, v in metrics.items()},
             "time/elapsed": self.offset + time.time() - self.start,
         }
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        data, size = memoryview((json.dumps(row) + "\n").encode()), os.fstat(self.file.fileno()).st_size
+        try:
+            while data:  # a write may take part of the row (a disk about to fill): the rest follows
+                data = data[self.file.write(data) :]
+        except OSError as e:  # disk full, quota: the part written goes, so the file stays whole rows
+            os.ftruncate(self.file.fileno(), size)
+            raise SystemExit(
+                f"could not write {self.path} ({e.strerror or e}); it holds every row before update {step}, whole. "
+                f"Free disk space; --resume {self.run_dir} continues from the run's last checkpoint, if it wrote one."
+            ) from None
         now = time.time()
         self.intervals = (self.intervals + [(now - self.last, "eval/accuracy" in metrics)])[-50:]
         self.last = now

@@ -9,6 +9,7 @@ algorithms: every number in a figure comes from the scripts' own metrics.
 import csv
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -311,7 +312,8 @@ def run_jobs(jobs: list[Job], work_dir: str | Path, parallel: int = 2) -> dict[s
     """Run the jobs in ``work_dir`` (each writes work_dir/runs/<name>/), ``parallel`` at a time, each with
     OMP_NUM_THREADS=its ``threads``; returns each job's wall-clock seconds. A job that finished in an earlier call (its
     runs/<name>/done marker) with the same flags is skipped, so re-running a sweep resumes it and figures that
-    share a configuration share its runs; the same name with other flags is an error. A failing job stops the sweep
+    share a configuration share its runs; the same name with other flags is an error. A job that did not finish
+    starts again in an emptied folder. A failing job stops the sweep
     with the tail of its log."""
     names = [j.name for j in jobs]
     if len(set(names)) != len(names):
@@ -340,7 +342,8 @@ def run_jobs(jobs: list[Job], work_dir: str | Path, parallel: int = 2) -> dict[s
     while todo or running:
         while todo and len(running) < parallel:
             j = todo.pop(0)
-            (work_dir / "runs" / j.name).mkdir(exist_ok=True)
+            shutil.rmtree(work_dir / "runs" / j.name, ignore_errors=True)  # an unfinished attempt's files: the
+            (work_dir / "runs" / j.name).mkdir()  # scripts refuse a folder that holds a run, so it starts afresh
             (work_dir / "runs" / j.name / "command.txt").write_text(j.flags())
             log = open(work_dir / f"{j.name}.log", "w")
             env = {**os.environ, "OMP_NUM_THREADS": str(j.threads), "MKL_NUM_THREADS": str(j.threads)}

@@ -5,6 +5,8 @@ import json
 import math
 import os
 import platform
+import signal
+import socket
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,13 +18,16 @@ from common import models
 from common.checkpoint import (
     NonFiniteGuard,
     load_checkpoint,
+    lock_run_folder,
     resume_needs_current_weights,
     resumed_args,
     rng_state,
+    run_folder,
     save_checkpoint,
     save_model,
     set_rng_state,
 )
+from common.cli import quiet_startup_interrupts
 from common.distributed import full_model_state
 from common.engine import HFEngine, inverse_cdf_sample, sample, sampling_logprobs, weight_payload
 from common.evaluation import greedy_eval
@@ -35,7 +40,9 @@ from common.tasks import (
     encode_prompt,
     extract_hash_answer,
     extract_last_number,
+    hub_offline,
     load_benchmark,
+    load_rows,
     make_arithmetic_task,
     make_chain_task,
     make_task,
@@ -246,6 +253,18 @@ def test_resolve_model_errors_and_folders(tmp_path, tiny_model_path):
         resolve_model(str(tmp_path / "empty"))
     assert resolve_model(tiny_model_path) == tiny_model_path
     assert resolve_model("org/some-model") == "org/some-model"  # a hub id is passed through
+    run = tmp_path / "runs" / "r"  # a run folder: its config.json holds the run's settings, model/ its trained model
+    (run / "model").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"seed": 1, "model": "default"}))
+    with pytest.raises(SystemExit, match=r"config.json is not a model's \(no model_type\)") as e:
+        resolve_model(str(run))
+    assert "trained model" not in str(e.value)  # model/ has no config.json yet
+    (run / "model" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match=f"; its trained model is {run / 'model'}.$"):
+        resolve_model(str(run))
+    (run / "config.json").write_text("not json")
+    with pytest.raises(SystemExit, match="not a model's"):
+        resolve_model(str(run))
 
 
 def test_default_model_is_converted_once_then_cached(tmp_path, monkeypatch, default_tokenizer_path):
@@ -672,7 +691,7 @@ def test_tracker_wandb_offline(tmp_path, monkeypatch):
 
 
 def test_checkpoint_roundtrip_and_rng(tmp_path):
-    state = {"w": torch.arange(4.0), "rng": rng_state(), "rollouts": [{"k": 1, "outs": [[1, 2]]}]}
+    state = {"args": {}, "update": 0, "w": torch.arange(4.0), "rng": rng_state(), "rollouts": [{"k": 1, "outs": [[1]]}]}
     a = torch.rand(3)
     path = save_checkpoint(tmp_path / "c" / "checkpoint.pt", state)
     assert not list(path.parent.glob("*.tmp"))
@@ -685,7 +704,7 @@ def test_checkpoint_roundtrip_and_rng(tmp_path):
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
-    path = save_checkpoint(tmp_path / "checkpoint.pt", {"update": 1})
+    path = save_checkpoint(tmp_path / "checkpoint.pt", {"args": {}, "update": 1})
     real_save = torch.save
 
     def disk_full(obj, f):  # writes half a file, then the disk is full
@@ -755,6 +774,147 @@ def test_resumed_args_take_the_checkpoints_settings_but_resume_and_a_new_total()
         assert resumed_args(command_line, ckpt, argv=argv).total_updates == 99
     with pytest.raises(SystemExit, match=r"checkpoint is at update 30; pass --total-updates N with N > 30"):
         resumed_args(RunArgs(total_updates=30), ckpt, argv=["--total-updates", "30"])
+
+
+def test_resumed_args_refuse_another_scripts_checkpoint():
+    @dataclass
+    class OtherArgs(RunArgs):
+        exp_name: str = "m2po"
+        tau: float = 0.04
+
+    @dataclass
+    class ThisArgs(RunArgs):
+        exp_name: str = "grpo"
+
+    ckpt = {"update": 3, "args": asdict(OtherArgs(total_updates=6))}
+    with pytest.raises(SystemExit) as e:
+        resumed_args(ThisArgs(resume="runs/x"), ckpt, argv=[])
+    assert str(e.value) == (
+        "--resume runs/x: written by m2po.py, whose settings (tau) grpo.py does not have; resume it with the script "
+        "that wrote it."
+    )
+
+
+def test_load_checkpoint_refuses_an_empty_truncated_or_foreign_file(tmp_path):
+    path = save_checkpoint(tmp_path / "checkpoint.pt", {"args": {"seed": 1}, "update": 2, "w": torch.zeros(1000)})
+    whole = path.read_bytes()
+    for cut in (b"", whole[: len(whole) // 2]):  # a copy that stopped, a disk that filled
+        path.write_bytes(cut)
+        with pytest.raises(SystemExit, match=rf"--resume {path}: not a readable checkpoint \({len(cut)} bytes; "):
+            load_checkpoint(tmp_path)
+    torch.save([1, 2], path)
+    with pytest.raises(SystemExit, match="not a checkpoint of these scripts"):
+        load_checkpoint(path)
+
+
+def new_run(tmp_path, monkeypatch, **kw):
+    """run_folder's view of a script's Args, from ``tmp_path`` as the working folder."""
+    monkeypatch.chdir(tmp_path)
+    return type("Args", (), dict(dict(resume=None, run_name="a", task="t", exp_name="grpo", seed=1), **kw))()
+
+
+def test_run_folder_is_made_locked_and_left_as_found(tmp_path, monkeypatch):
+    args = new_run(tmp_path, monkeypatch, run_name=None)
+    monkeypatch.setattr("common.checkpoint.time.time", lambda: 1234.5)
+    assert run_folder(args, 1) == os.path.join("runs", "t__grpo__1__1234") and args.run_name == "t__grpo__1__1234"
+    assert not (tmp_path / "runs").exists()  # rank 0 makes it
+    release = lock_run_folder("runs/a")
+    assert (tmp_path / "runs" / "a" / ".lock").read_text() == f"{os.getpid()}\n"
+    with pytest.raises(SystemExit) as e:  # a second run in the same folder, while the first is alive
+        lock_run_folder("runs/a")
+    assert str(e.value) == (
+        f"runs/a is in use by another run (process {os.getpid()}); pick another --run-name, or wait for it to end."
+    )
+    monkeypatch.setattr("common.checkpoint.os.getpid", lambda: -1)  # a forked child's exit: not its lock to drop
+    release()
+    assert (tmp_path / "runs" / "a" / ".lock").exists()
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    release()
+    release()  # atexit calls it again: nothing left to do
+    assert not (tmp_path / "runs").exists()  # a run that stopped before writing anything leaves no folder
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / ".lock").write_text("999999\n")  # left by a killed run: no process holds it
+    lock_run_folder("runs/a")()
+    assert os.listdir(tmp_path / "runs" / "a") == []  # the folder was there before: it stays
+
+
+def test_run_folder_refuses_to_overwrite_a_run(tmp_path, monkeypatch):
+    args = new_run(tmp_path, monkeypatch)
+    folder = tmp_path / "runs" / "a"
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("")  # a run that stopped before logging: the name is free
+    lock_run_folder(folder)()
+    (folder / "metrics.jsonl").write_text('{"global_step": 0}\n')
+    (folder / "model").mkdir()
+    with pytest.raises(SystemExit) as e:
+        run_folder(args, 0)
+    assert str(e.value) == "runs/a already holds a run (metrics.jsonl, model): pick another --run-name."
+    (folder / "checkpoint.pt").write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"\(metrics.jsonl, model, checkpoint.pt\): pick another --run-name, or "):
+        run_folder(args, 0)
+    assert sorted(os.listdir(folder)) == ["checkpoint.pt", "metrics.jsonl", "model"]  # as it was: no .lock left
+    (tmp_path / "blocked").write_text("")  # a file where the folder should go (root may write anywhere)
+    with pytest.raises(SystemExit, match=r"^cannot make the run folder blocked/x \(.*\): run from a folder you can"):
+        lock_run_folder("blocked/x")
+
+
+def test_a_resumed_run_continues_in_the_checkpoints_folder(tmp_path, monkeypatch, capsys):
+    """Wherever the folder was moved: its name is the run name."""
+    for given, name in (("moved/B/checkpoint.pt", "B"), ("moved/C", "C")):  # the checkpoint, or its folder
+        (tmp_path / "moved" / name).mkdir(parents=True)
+        args = new_run(tmp_path, monkeypatch, resume=given, run_name="A")
+        assert run_folder(args, 0, {"update": 3}) == os.path.join("moved", name) and args.run_name == name
+        assert capsys.readouterr().out == f"resumed at update 3: the run continues in {os.path.join('moved', name)}\n"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_quiet_startup_interrupts_end_with_one_line_and_status_130(capsys):
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        quiet_startup_interrupts()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with pytest.raises(SystemExit) as e:
+                signal.raise_signal(sig)
+            assert e.value.code == 130
+            assert capsys.readouterr().err == "interrupted during start-up, before any update: nothing to save\n"
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+
+
+def test_a_failed_metrics_write_keeps_whole_rows_and_says_so(tmp_path):
+    tr = Tracker(tmp_path / "run", {})
+    tr.log({"a": 1}, step=1)
+    real = tr.file
+
+    class DiskFills:  # the disk takes half of the next row, then is full
+        def __init__(self):
+            self.calls = 0
+
+        def write(self, data):
+            self.calls += 1
+            if self.calls == 1:
+                return real.write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+        def fileno(self):
+            return real.fileno()
+
+    tr.file = DiskFills()
+    with pytest.raises(SystemExit) as e:
+        tr.log({"a": 2}, step=2)
+    assert str(e.value) == (
+        f"could not write {tmp_path / 'run' / 'metrics.jsonl'} (No space left on device); it holds every row before "
+        f"update 2, whole. Free disk space; --resume {tmp_path / 'run'} continues from the run's last checkpoint, if "
+        f"it wrote one."
+    )
+    tr.file = real
+    tr.close()
+    assert [r["a"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="could not write to the run folder .*file/run"):
+        Tracker(tmp_path / "file" / "run", {})
 
 
 def test_greedy_eval_scores_every_problem_once_in_any_batch_size(tiny):
@@ -967,10 +1127,57 @@ def test_hub_failure_says_how_to_use_a_local_copy(monkeypatch):
         raise ConnectionError("no internet")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr("common.tasks.hub_offline", lambda: False)  # the hub looks reachable; the load fails anyway
     with pytest.raises(
-        SystemExit, match=r"(?s)could not load math500 from the hub \(HuggingFaceH4/MATH-500.*--eval-data-path"
-    ):
+        SystemExit, match=r"could not load math500 from the hub \(HuggingFaceH4/MATH-500.*no internet.*--eval-data-path"
+    ) as e:
         load_benchmark("math500")
+    assert "\n" not in str(e.value)
+
+
+def test_hub_offline_reads_hf_hub_offline_and_probes_the_hubs_host(monkeypatch):
+    probed = []
+
+    def connect(address, timeout):
+        probed.append((address, timeout))
+        raise OSError("no route")
+
+    monkeypatch.setattr("common.tasks.socket.create_connection", connect)
+    for var in ("HF_HUB_OFFLINE", "HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    assert hub_offline() and probed == [(("huggingface.co", 443), 3.0)]
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080")
+    assert hub_offline(0.5) and probed[-1] == (("mirror.example", 8080), 0.5)
+    monkeypatch.setattr("common.tasks.socket.create_connection", lambda address, timeout: socket.socket())
+    assert not hub_offline()  # it took the connection
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub_offline()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr("common.tasks.socket.create_connection", connect)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert not hub_offline()  # behind a proxy the direct probe says nothing
+
+
+def test_an_offline_hub_fails_at_once_with_one_line(monkeypatch):
+    """Offline, the dataset loads from the cache or not at all, without the hub client's retries (about 25 s of
+    "Retrying in 8s" lines) and without touching the network."""
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr("common.tasks.hub_offline", lambda: True)
+
+    def no_network(*a, **k):
+        raise AssertionError("the network was used")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    before = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    with pytest.raises(SystemExit) as e:
+        load_rows("gsm8k", ("asyncrl-test/no-such-dataset", "main", "test"), None, "--eval-data-path")
+    assert str(e.value) == (
+        "could not load gsm8k from the hub (asyncrl-test/no-such-dataset, split test: offline, and no cached copy); "
+        "pass --eval-data-path <a local json/jsonl/parquet copy> instead."
+    )
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == before  # put back
 
 
 def test_a_train_file_next_to_a_test_file_supplies_the_eval_set():

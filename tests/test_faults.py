@@ -1,11 +1,18 @@
 """Runs that survive faults, end to end on the tiny Llama: non-finite steps skipped (every script), a SIGKILL after a
-safety checkpoint resumed into the uninterrupted run, SIGTERM handled like Ctrl-C, a failed checkpoint write."""
+safety checkpoint resumed into the uninterrupted run, SIGTERM handled like Ctrl-C, a failed checkpoint or metrics
+write; run folders that are not overwritten, shared or recreated elsewhere; bad input refused in one line."""
 
+import importlib
+import json
 import math
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
+import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -100,6 +107,7 @@ def test_sigkill_after_a_safety_checkpoint_resumes_into_the_uninterrupted_run(ti
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert torch.load(tmp_path / "runs" / "killed" / "checkpoint.pt", weights_only=False)["update"] == 3
     assert max(r["global_step"] for r in metrics_of(tmp_path, "killed")) == 4  # a row after the checkpoint's update
+    assert (tmp_path / "runs" / "killed" / ".lock").exists()  # left by the killed process, locked by none
     run_script("grpo.py", "--resume", str(tmp_path / "runs" / "killed"), cwd=tmp_path)
     resumed, full = comparable(metrics_of(tmp_path, "killed")), comparable(metrics_of(tmp_path, "full"))
     assert [r["global_step"] for r in resumed if "losses/policy_loss" in r] == [1, 2, 3, 4, 5, 6]  # one row each
@@ -118,6 +126,12 @@ def test_a_finished_run_leaves_its_model_and_no_training_state_unless_asked(tiny
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("done: 3 updates in ") and f"eval/accuracy {final['eval/accuracy']:.4g}; " in last
     assert last.endswith(f"model {os.path.join('runs', 'safe', 'model')}")
+    files = snapshot(tmp_path)
+    again = run_script("grpo.py", *flags, "--run-name", "safe", cwd=tmp_path, check=False)  # the same name again
+    assert again.returncode == 1 and again.stderr.strip() == (
+        f"{os.path.join('runs', 'safe')} already holds a run (metrics.jsonl, model): pick another --run-name."
+    )
+    assert snapshot(tmp_path) == files  # its metrics, config and model as they were
     trained = load_model(str(folder / "model")).state_dict()
     assert any(not torch.equal(w, load_model(tiny_model_path).state_dict()[k]) for k, w in trained.items())
     again = run_script(
@@ -200,3 +214,128 @@ def test_failed_checkpoint_write_ends_the_run_and_keeps_the_previous_one(tiny_mo
     assert "could not write the checkpoint" in proc.stderr and "the previous checkpoint" in proc.stderr
     assert "is intact" in proc.stderr and "Traceback" not in proc.stderr
     assert torch.load(tmp_path / "runs" / "w" / "checkpoint.pt", weights_only=False)["update"] == 2
+
+
+def snapshot(folder) -> dict:
+    """Every file under ``folder`` with its bytes (and every folder): what a refused run must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def start_run(*flags: str, cwd) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "algorithms" / "grpo.py"), *flags],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_run_folder_has_one_run_at_a_time_and_a_moved_run_resumes_where_it_is(tiny_model_path, tmp_path):
+    """A second run under a running run's name is refused before it builds anything; the first run, stopped by
+    SIGTERM, moved from runs/A to runs/B and resumed there, continues in runs/B under the name B and says where."""
+    flags = ["--model", tiny_model_path, *FAST, "--eval-every", "0"]
+    proc = start_run(*flags, "--total-updates", "400", "--run-name", "A", cwd=tmp_path)
+    for line in proc.stdout:
+        if "] 2/400" in line:
+            break
+    second = run_script("grpo.py", *flags, "--total-updates", "3", "--run-name", "A", cwd=tmp_path, check=False)
+    assert second.returncode == 1 and second.stderr.strip() == (
+        f"{os.path.join('runs', 'A')} is in use by another run (process {proc.pid}); pick another --run-name, or "
+        f"wait for it to end."
+    )
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    update = torch.load(tmp_path / "runs" / "A" / "checkpoint.pt", weights_only=False)["update"]
+    shutil.move(tmp_path / "runs" / "A", tmp_path / "runs" / "B")
+    assert sorted(os.listdir(tmp_path / "runs" / "B")) == ["checkpoint.pt", "config.json", "metrics.jsonl"]
+    resumed = run_script("grpo.py", "--resume", "runs/B", "--total-updates", str(update + 1), cwd=tmp_path)
+    assert f"resumed at update {update}: the run continues in {os.path.join('runs', 'B')}\n" in resumed.stdout
+    assert "[B] arithmetic" in resumed.stdout and os.listdir(tmp_path / "runs") == ["B"]  # runs/A is not made again
+    steps = [r["global_step"] for r in metrics_of(tmp_path, "B") if "losses/policy_loss" in r]
+    assert steps == list(range(1, update + 2))
+    assert json.loads((tmp_path / "runs" / "B" / "config.json").read_text())["run_name"] == "B"
+    assert sorted(os.listdir(tmp_path / "runs" / "B")) == ["config.json", "metrics.jsonl", "model"]
+
+
+def test_a_failed_metrics_write_ends_the_run_with_whole_rows(tiny_model_path, tmp_path):
+    """The process may write files of at most 16 KB (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a write past it fails
+    with EFBIG, as on a full disk): metrics.jsonl fills up a few updates in, part of a row written."""
+    limit = 16_000
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "algorithms" / "grpo.py"), "--model", tiny_model_path, *FAST]
+        + ["--total-updates", "40", "--eval-every", "0", "--run-name", "full"],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
+    path = tmp_path / "runs" / "full" / "metrics.jsonl"
+    steps = [json.loads(line)["global_step"] for line in path.read_text().splitlines()]  # every line whole
+    assert 1 < len(steps) < 40 and steps == list(range(1, len(steps) + 1))
+    assert "Traceback" not in proc.stderr  # transformers' progress bars go to stderr before it
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        f"could not write {path.relative_to(tmp_path)} (File too large); it holds every row before update "
+        f"{len(steps) + 1}, whole. Free disk space; --resume {os.path.join('runs', 'full')} continues from the run's "
+        f"last checkpoint, if it wrote one."
+    )
+    assert path.stat().st_size + 2_000 > limit  # it failed for want of room
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_leaves_no_folder(default_tokenizer_path, tmp_path):
+    """SIGINT once the run folder is made, while the 135M default model loads: no traceback, exit status 130, and
+    the folder, empty, goes."""
+    proc = start_run("--model", default_tokenizer_path, *FAST, "--run-name", "early", cwd=tmp_path)
+    lock, t0 = tmp_path / "runs" / "early" / ".lock", time.time()
+    while not lock.exists() and proc.poll() is None and time.time() - t0 < 120:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted during start-up, before any update: nothing to save"
+    assert not (tmp_path / "runs").exists()
+
+
+def bad_checkpoint(tmp_path, kind: str) -> None:
+    """runs/x/checkpoint.pt: empty, cut short, or written by m2po.py."""
+    path = tmp_path / "runs" / "x" / "checkpoint.pt"
+    path.parent.mkdir(parents=True)
+    if kind == "m2po":
+        torch.save({"args": asdict(importlib.import_module("m2po").Args()), "update": 1}, path)
+    else:
+        torch.save({"args": {"seed": 1}, "update": 1, "w": torch.zeros(10_000)}, path)
+        path.write_bytes(path.read_bytes()[: 20_000 if kind == "truncated" else 0])
+
+
+@pytest.mark.parametrize(
+    "case,flags,message",
+    [
+        ("empty", ["--resume", "runs/x"], "--resume runs/x/checkpoint.pt: not a readable checkpoint (0 bytes; "),
+        ("truncated", ["--resume", "runs/x"], "--resume runs/x/checkpoint.pt: not a readable checkpoint (20000 "),
+        ("m2po", ["--resume", "runs/x"], "--resume runs/x: written by m2po.py, whose settings ("),
+        ("run folder as --model", ["--model", "runs/x"], "--model runs/x: its config.json is not a model's"),
+        ("read-only working folder", [], "cannot make the run folder runs/r ("),
+        ("offline hub", ["--task", "gsm8k"], "could not load gsm8k from the hub (openai/gsm8k, split train: offline, "),
+    ],
+)
+def test_bad_input_is_one_line_and_changes_nothing(tiny_model_path, tmp_path, monkeypatch, case, flags, message):
+    if case in ("empty", "truncated", "m2po"):
+        bad_checkpoint(tmp_path, case)
+    if case == "run folder as --model":
+        (tmp_path / "runs" / "x").mkdir(parents=True)
+        (tmp_path / "runs" / "x" / "config.json").write_text(json.dumps({"seed": 1}))
+    if case == "read-only working folder":  # root writes anywhere: a file where runs/ should go blocks it the same
+        (tmp_path / "runs").write_text("")
+    if case == "offline hub":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("HF_HOME", str(tmp_path.with_name(tmp_path.name + "-hf")))  # no cached copy
+    files = snapshot(tmp_path)
+    model = [] if "--model" in flags else ["--model", tiny_model_path]
+    proc = run_script("grpo.py", *model, *FAST, *flags, "--run-name", "r", cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
+    assert snapshot(tmp_path) == files  # nothing made, nothing changed

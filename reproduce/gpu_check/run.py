@@ -82,7 +82,7 @@ class Args:
     cpu: bool = False
     """run the reduced form on CPUs even where a GPU is available"""
     workdir: str | None = None
-    """folder for the models, runs/ and the logs (default: a temporary folder, removed after a pass)"""
+    """folder for the models, runs/ (emptied first) and the logs (default: a temporary folder, removed after a pass)"""
     keep: bool = False
     """keep the temporary folder after a pass (a failed check always keeps it, with the logs)"""
     jobs: int | None = None
@@ -346,6 +346,7 @@ def main(args: Args) -> int:
     threads = max(1, (os.cpu_count() or 1) // jobs)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="asyncrl-gpu-check-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(workdir / "runs", ignore_errors=True)  # an earlier pass's runs: the scripts refuse to overwrite them
     runner = Runner(workdir, threads, args.timeout or (240 if gpu else 900))
     print(f"[gpu-check] working in {workdir}; {jobs} runs at a time; OMP_NUM_THREADS={runner.env['OMP_NUM_THREADS']}")
     results: list[tuple[str, bool, float, str]] = []
