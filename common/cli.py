@@ -111,6 +111,9 @@ RANGES = {
     "clip_eps": (lambda v: 0 <= v < 1, "in [0, 1) (the ratio is clipped to [1 - eps, 1 + eps])"),
     "clip_eps_low": (lambda v: 0 <= v < 1, "in [0, 1) (the ratio's lower bound is 1 - it)"),
     "clip_eps_high": (lambda v: v >= 0, ">= 0 (the ratio's upper bound is 1 + it)"),
+    "delta_tv": (lambda v: v > 0, "> 0 (the binary TV threshold; DPPO's recipe uses 0.15)"),
+    "delta_kl": (lambda v: v > 0, "> 0 (the binary KL threshold; DPPO's recipe uses 0.05)"),
+    "ratio_cap": (lambda v: v is None or v > 0, "> 0, or None for no cap"),
 }
 
 

@@ -290,7 +290,7 @@ class Job:
     name: str
     """run folder name, unique within a sweep"""
     script: str
-    """algorithm script without .py: grpo, dapo, ppo_stale, m2po, tba, vineppo"""
+    """algorithm script without .py: grpo, dapo, ppo_stale, m2po, dppo, tba, vineppo"""
     args: list[str]
     """its command-line flags"""
     labels: dict = field(default_factory=dict)

@@ -200,6 +200,9 @@ def test_check_shared_args_says_what_to_change(changes, world, message):
         ("max_grad_norm", [0.0], [1.0]),
         ("warmup_updates", [-1], [0, 20]),
         ("max_new_tokens", [0], [1]),
+        ("delta_tv", [0.0, -0.1], [0.15, 1.0]),
+        ("delta_kl", [0.0, -0.05], [0.05]),
+        ("ratio_cap", [0.0, -1.0], [None, 20.0]),
     ],
 )
 def test_check_ranges_refuses_impossible_values_of_the_flags_a_script_has(flag, bad, good):

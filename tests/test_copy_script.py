@@ -35,7 +35,7 @@ def test_installing_the_project_adds_no_common_module(tmp_path):
     assert proc.returncode != 0 and "No module named 'common'" in proc.stderr, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("script", ["m2po.py"])
+@pytest.mark.parametrize("script", ["m2po.py", "dppo.py"])
 def test_a_copied_script_runs_in_another_project(script, tiny_model_path, tmp_path):
     project = tmp_path / "my_project"  # outside the repository, with a different folder name for the script
     shutil.copytree(ROOT / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))

@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-ALGOS = ("grpo", "dapo", "ppo_stale", "m2po", "tba", "vineppo")
+ALGOS = ("grpo", "dapo", "ppo_stale", "m2po", "dppo", "tba", "vineppo")
 DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("reproduce/**/README.md")], key=str)
 # files whose text or comments may name a section of a doc
 SECTION_SOURCES = sorted(

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.run
 EXTRA = {"dapo.py": ["--max-sampling-rounds", "50"], "vineppo.py": ["--mc-samples", "2"]}  # each script's fast settings
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "dapo.py", "m2po.py", "ppo_stale.py", "tba.py", "vineppo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "dapo.py", "m2po.py", "dppo.py", "ppo_stale.py", "tba.py", "vineppo.py"])
 def test_nonfinite_steps_change_nothing_and_end_the_run(tiny_model_path, tmp_path, script):
     """Updates 1-3 get a NaN gradient: each step is skipped and counted, and the third in a row ends the run with a
     checkpoint whose weights, optimizer state and engine weights are the initial ones."""

@@ -187,7 +187,7 @@ def test_run_plan_and_the_default_length_reach_the_lag():
     assert [default_eval_every(t) for t in (40, 80, 81, 300, 800)] == [10, 10, 20, 40, 100]
 
 
-@pytest.mark.parametrize("script", ["dapo", "m2po", "ppo_stale", "vineppo"])
+@pytest.mark.parametrize("script", ["dapo", "m2po", "dppo", "ppo_stale", "vineppo"])
 def test_every_exact_lag_script_plans_as_grpo_does(script):
     import importlib
     import inspect

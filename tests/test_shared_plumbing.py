@@ -1,4 +1,4 @@
-"""The blocks marked as shared plumbing read the same in all six scripts (so that ``diff grpo.py m2po.py`` shows the
+"""The blocks marked as shared plumbing read the same in all seven scripts (so that ``diff grpo.py m2po.py`` shows the
 algorithm), except for the differences listed in ALLOWED, each with its reason (docs/README.md)."""
 
 import re
@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ALGORITHMS = Path(__file__).resolve().parents[1] / "algorithms"
-SCRIPTS = ("grpo", "dapo", "m2po", "ppo_stale", "tba", "vineppo")
+SCRIPTS = ("grpo", "dapo", "m2po", "dppo", "ppo_stale", "tba", "vineppo")
 # a banner in __main__: "# ----...---- shared plumbing: <name>" or "# ---- algorithm: <what>"
 BANNER = re.compile(r"^\s*# -{4,} (shared plumbing|algorithm)(?::\s*(.*?))?\s*$")
 # an Args group header: "# --- <title>"
@@ -25,6 +25,9 @@ ALLOWED = {
     "m2po": {
         "checks and setup": "--tau > 0, and --updates-per-batch 4 by default when stale (M2PO's recipe)",
         "logging and checkpoints": "m2po/* metrics (M2 before and after the trust region), their console columns",
+    },
+    "dppo": {
+        "logging and checkpoints": "dppo/* metrics (the masked fraction by direction, the divergence)",
     },
     "ppo_stale": {
         "checks and setup": "bounded staleness (--max-staleness): its checks, weights for every version, resume",

@@ -335,6 +335,7 @@ def test_ctrl_c_with_vllm_in_its_own_process_still_checkpoints(tiny_vllm_model_p
     [
         ("grpo.py", ["--staleness", "0"]),  # on-policy: every update compares engine and trainer after a sync
         ("m2po.py", ["--staleness", "2"]),
+        ("dppo.py", ["--staleness", "2", "--divergence", "kl"]),
         ("dapo.py", ["--staleness", "1", "--max-sampling-rounds", "50"]),  # dynamic sampling on the tiny model
         ("ppo_stale.py", ["--max-staleness", "1"]),  # bounded mode: weights taken between engine calls
         ("tba.py", ["--staleness", "1"]),

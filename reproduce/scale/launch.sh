@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch a paper's settings on GPUs with the vLLM engine: one GPU (colocated), one node (vLLM on its own GPUs) or
-# two nodes. The settings of each paper are in reproduce/scale/<paper>.sh (m2po grpo dapo areal tba vineppo), which
+# two nodes. The settings of each paper are in reproduce/scale/<paper>.sh (m2po grpo dapo dppo areal tba vineppo), which
 # this file sources; each of those files also runs on its own (bash reproduce/scale/dapo.sh node = bash
 # reproduce/scale/launch.sh dapo node). docs/distributed.md explains the layout and lists the memory knobs ("Several
 # nodes, and memory") and the papers' settings ("Launches on GPUs: reproduce/scale/"); README "Recipes" links it.
@@ -25,7 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODES="colocated|node|nodes"
-PAPERS="m2po|grpo|dapo|areal|tba|vineppo"
+PAPERS="m2po|grpo|dapo|dppo|areal|tba|vineppo"
 USAGE="usage: launch.sh [$PAPERS] $MODES [script flags]"
 case "${1:-}" in
   colocated|node|nodes) PAPER=m2po ;;  # the original usage, M2PO's settings
