@@ -39,11 +39,12 @@ from common.checkpoint import (
     resume_needs_current_weights,
     resumed_args,
     rng_state,
+    run_folder,
     save_checkpoint,
     save_model,
     set_rng_state,
 )
-from common.cli import check_shared_args, parse
+from common.cli import check_shared_args, parse, quiet_startup_interrupts
 from common.distributed import (
     all_ranks,
     barrier,
@@ -56,6 +57,7 @@ from common.distributed import (
     shard_model,
     shutdown,
 )
+from common.drift import drift_metrics
 from common.engine import make_engine, weight_payload
 from common.evaluation import greedy_eval
 from common.logprobs import collate, pad_float, response_logprobs
@@ -337,6 +339,7 @@ def token_mean(x: torch.Tensor) -> float:
 
 if __name__ == "__main__":
     # ---------------------------------------------------------------- shared plumbing: checks and setup
+    quiet_startup_interrupts()  # until the loop's handlers: Ctrl-C ends the start-up with one line, exit status 130
     args = parse(Args, __doc__.split("\n\n")[0])
     rank, world, device = init_distributed(args.cuda, args.dist_timeout_minutes)  # torchrun: a process per rank
 
@@ -354,10 +357,8 @@ if __name__ == "__main__":
     if args.eval_every is None:
         args.eval_every = default_eval_every(args.total_updates)
     check_shared_args(args, world)  # the batch arithmetic: fills args.batch_size and args.minibatch_size
-    run_name = broadcast(args.run_name or f"{args.task}__{args.exp_name}__{args.seed}__{int(time.time())}")
-    args.run_name = run_name
-    run_dir = os.path.join("runs", run_name)
-    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    run_dir = run_folder(args, rank, ckpt)  # runs/<run name>, or --resume's folder; rank 0 makes, checks and locks it
+    run_name, ckpt_path = args.run_name, os.path.join(run_dir, "checkpoint.pt")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
 
@@ -658,7 +659,7 @@ if __name__ == "__main__":
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(update)
             optimizer.zero_grad(set_to_none=True)
-            keys = ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy", "div", "masked_pos", "masked_neg")
+            keys = ("logp", "logp_behav", "ratio", "clipped", "kl", "entropy", "div", "masked_pos", "masked_neg", "seq")
             tok, policy_loss, seen_tokens = {key: [] for key in keys}, 0.0, 0
             delta = args.delta_tv if args.divergence == "tv" else args.delta_kl
             micros = [idx[i : i + args.micro_batch_size] for i in range(0, n_seqs, args.micro_batch_size)]
@@ -693,6 +694,7 @@ if __name__ == "__main__":
                 values = dict(logp=logp, logp_behav=logp_behav, ratio=ratio, clipped=clipped, kl=kl, entropy=entropy)
                 a = adv[micro][:, None]  # the masked tokens by the way A pushed them: up (A > 0), down (A < 0)
                 values.update(div=div, masked_pos=clipped & (a > 0), masked_neg=clipped & (a < 0))
+                values["seq"] = torch.tensor(micro, device=device)[:, None].expand_as(mask)  # each token's sample
                 for key, v in values.items():
                     tok[key].append(v.detach()[mask])
             # every response token of the minibatch (all ranks), flattened; sums over the ranks
@@ -757,6 +759,7 @@ if __name__ == "__main__":
                 "time/weight_sync": batch["weight_sync"] + sync_push,
                 "time/trainer_wait": trainer_wait + sync_push,
                 "time/producer_wait": batch["producer_wait"],
+                **drift_metrics(tok["logp"], tok["logp_behav"], tok["seq"], tok["clipped"], fresh=staleness == 0),
             }
             if staleness == 0:  # freshly synced data: engine and trainer log-probs should agree
                 diff = (tok["logp"] - tok["logp_behav"]).abs()
