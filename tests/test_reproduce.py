@@ -357,11 +357,11 @@ def test_side_by_side_runs_vineppo_at_the_ends_of_the_range_on_chain(monkeypatch
         assert sweep.parse(run.Args, run.FIGURE_SETTINGS).vineppo_staleness == expected
     models = {1: "P1", 2: "P2", 3: "P3"}
     arithmetic = run.jobs(run.Args(learning_rate=1e-4, eval_every=40), models)
-    assert len(arithmetic) == 6 * 4 * 3 and len({j.name for j in arithmetic}) == 72
+    assert len(arithmetic) == 7 * 4 * 3 and len({j.name for j in arithmetic}) == 84
     chain = run.jobs(run.Args(testbed="chain", learning_rate=3e-5, eval_every=80, vineppo_staleness=[0, 256]), models)
     vineppo = sorted(j.name for j in chain if j.script == "vineppo")
     assert vineppo == sorted(f"chain_vineppo_s{s}_seed{seed}" for s in (0, 256) for seed in (1, 2, 3))
-    assert len(chain) == 5 * 4 * 3 + 2 * 3
+    assert len(chain) == 6 * 4 * 3 + 2 * 3
     assert {j.labels["staleness"] for j in chain if j.script == "tba"} == {0, 16, 64, 256}
 
 
@@ -382,13 +382,14 @@ def test_m2po_staleness_runs_each_learning_rate_under_its_own_names():
     assert [sweep.lr_text(lr) for lr in (1e-4, 3e-5, 2.5e-5)] == ["1e-4", "3e-5", "2.5e-5"]
     args = run.Args(testbed="chain", learning_rate=3e-5, eval_every=80, other_learning_rates=[1e-4, 1e-5])
     jobs = run.jobs(args, {1: "P1", 2: "P2", 3: "P3"})
-    assert len(jobs) == 5 * 3 + 2 * 4 * 3 and len({j.name for j in jobs}) == len(jobs)
+    assert len(jobs) == 6 * 3 + 2 * 5 * 3 and len({j.name for j in jobs}) == len(jobs)
     by_name = {j.name: j for j in jobs}
     main = by_name["chain_grpo_s0_seed1"]  # the main lr keeps the name other figures share
     assert "--learning-rate 3e-05" in main.flags() and main.labels == {"config": "GRPO s=0", "lr": 3e-5, "seed": 1}
     other = by_name["chain_m2po_notr_lr1e-5_s256_seed3"]
     assert "--learning-rate 1e-05" in other.flags() and "--no-trust-region" in other.flags()
     assert not any("m2po_lr" in j.name and "_s0_" in j.name for j in jobs)  # M2PO s=0 only at the main lr
+    assert by_name["chain_dppo_s256_seed1"].script == "dppo" and "chain_dppo_lr1e-4_s256_seed2" in by_name
 
 
 def test_t975_is_students_t_quantile():

@@ -31,7 +31,7 @@ from sweep import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ORDER = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=0", "M2PO s=256"]
+ORDER = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=0", "M2PO s=256", "DPPO s=256"]
 HIGH_LR = 1e-4  # the collapse claim is tested where the drift is largest (the chain set's highest learning rate)
 
 
@@ -56,6 +56,10 @@ def hypotheses(main_lr: float | None, high_lr: float | None) -> list[Hypothesis]
         Hypothesis(
             f"M2PO beats no trust region at s = 256{high}", cell("M2PO s=256", h), cell("no trust region s=256", h), 1
         ),
+        Hypothesis(
+            f"DPPO beats no trust region at s = 256{high}", cell("DPPO s=256", h), cell("no trust region s=256", h), 1
+        ),
+        Hypothesis(f"DPPO beats M2PO at s = 256{high}", cell("DPPO s=256", h), cell("M2PO s=256", h), 1),
     ]
 
 

@@ -1,8 +1,9 @@
-"""M2PO's staleness figure at toy scale: GRPO at s = 0 and 256, no trust region at s = 256, M2PO at s = 0 and 256.
+"""M2PO's staleness figure at toy scale: GRPO at s = 0 and 256, no trust region at s = 256, M2PO at s = 0 and 256,
+and DPPO (another trust region for stale data) at s = 256.
 
-    python reproduce/m2po_staleness/run.py                  # 2-digit addition: 5 configurations x 3 seeds, lr 1e-4
+    python reproduce/m2po_staleness/run.py                  # 2-digit addition: 6 configurations x 3 seeds, lr 1e-4
     python reproduce/m2po_staleness/run.py --testbed chain  # chain: the same at lr 3e-5, and all but M2PO s=0 at
-                                                            # 1e-4 and 1e-5 too (39 runs)
+                                                            # 1e-4 and 1e-5 too (48 runs)
     python reproduce/m2po_staleness/plot.py [--testbed chain]  # -> the PNG and the numbers in README.md
 
 Same task, batch shape and budget as the side-by-side figure (sweep.toy_flags): 16 prompts x 8 samples per rollout
@@ -29,6 +30,7 @@ CONFIGS = {
     "no trust region s=256": ("m2po", 256, ("--no-trust-region",), "notr"),
     "M2PO s=0": ("m2po", 0, (), ""),
     "M2PO s=256": ("m2po", 256, (), ""),
+    "DPPO s=256": ("dppo", 256, (), ""),  # another trust region for stale data: a divergence mask (dppo.py)
 }
 KEYS = [
     "eval/accuracy",
@@ -45,7 +47,7 @@ KEYS = [
 
 
 # the configurations also run at each of --other-learning-rates
-LR_SWEEP = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=256"]
+LR_SWEEP = ["GRPO s=0", "GRPO s=256", "no trust region s=256", "M2PO s=256", "DPPO s=256"]
 
 
 @dataclass

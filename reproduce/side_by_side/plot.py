@@ -25,7 +25,7 @@ from sweep import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "tba", "vineppo"]
+ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "dppo", "tba", "vineppo"]
 
 
 def cell(algo: str, s: int) -> dict:
@@ -62,6 +62,8 @@ HYPOTHESES = [
         -1,
     ),
     Hypothesis("staleness costs VinePPO: vineppo at s = 256 below s = 0", cell("vineppo", 256), cell("vineppo", 0), -1),
+    Hypothesis("DPPO beats GRPO on stale data: dppo above grpo at s = 256", cell("dppo", 256), cell("grpo", 256), 1),
+    Hypothesis("staleness costs DPPO: dppo at s = 256 below s = 0", cell("dppo", 256), cell("dppo", 0), -1),
 ]
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""All six algorithms side by side at staleness s in {0, 16, 64, 256}: same toy task, seeds, batch and update budget.
+"""All seven algorithms side by side at staleness s in {0, 16, 64, 256}: same toy task, seeds, batch and update
+budget.
 
-    python reproduce/side_by_side/run.py                    # 6 algorithms x 4 staleness x 3 seeds = 72 runs
+    python reproduce/side_by_side/run.py                    # 7 algorithms x 4 staleness x 3 seeds = 84 runs
     python reproduce/side_by_side/plot.py                   # -> side_by_side.png, and prints the table
-    python reproduce/side_by_side/run.py --testbed chain    # 66 runs: vineppo.py at s = 0 and 256 only
+    python reproduce/side_by_side/run.py --testbed chain    # 78 runs: vineppo.py at s = 0 and 256 only
 
 Every run: the toy policy (reproduce/toy), 2-digit addition, lr 1e-4, 32 samples per optimizer update, 320 updates,
 greedy eval on 500 held-out problems every 40 updates. The PPO-family scripts (grpo, dapo, ppo_stale, m2po,
-vineppo) generate 16 prompts x 8 samples per rollout batch and take 4 updates from it (M2PO's recipe), with the
+dppo, vineppo) generate 16 prompts x 8 samples per rollout batch and take 4 updates from it (M2PO's recipe), with the
 exact lag --staleness s. tba.py samples 4 prompts x 8 per update from its replay buffer and uses s as its sync
 period k (weights reach the searcher every s updates), its own notion of staleness (docs/tba.md).
 """
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sweep import Job, SweepArgs, figure_csv, parse, run_sweep, start_policies, toy_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "tba", "vineppo"]
+ALGOS = ["grpo", "dapo", "ppo_stale", "m2po", "dppo", "tba", "vineppo"]
 KEYS = [
     "eval/accuracy",
     "charts/reward_mean",
