@@ -24,10 +24,20 @@ def test_gpu_check_passes_in_its_cpu_form(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "--cpu: the reduced form on CPUs" in proc.stdout
     table = proc.stdout[proc.stdout.index("-" * 120) :]
-    for check in ["grpo.py", "dapo.py", "m2po.py", "ppo_stale.py", "tba.py", "vineppo.py", "torchrun", "resume"]:
+    for check in [
+        "grpo.py",
+        "dapo.py",
+        "m2po.py",
+        "dppo.py",
+        "ppo_stale.py",
+        "tba.py",
+        "vineppo.py",
+        "torchrun",
+        "resume",
+    ]:
         assert check in table, check
-    assert "FAIL" not in table and "all 11 checks passed in" in proc.stdout
+    assert "FAIL" not in table and "all 12 checks passed in" in proc.stdout
     assert "trainer tokens/s  generated tokens/s" in proc.stdout
     assert sorted(os.listdir(tmp_path / "runs")) == sorted(
-        ["grpo", "dapo", "m2po", "ppo_stale", "tba", "vineppo", "torchrun", "full", "part", "speed"]
+        ["grpo", "dapo", "m2po", "dppo", "ppo_stale", "tba", "vineppo", "torchrun", "full", "part", "speed"]
     )

@@ -4,7 +4,7 @@ internet, no default model). It builds its models from configs and runs the algo
     python reproduce/gpu_check/run.py          # one GPU: the full form (a few minutes)
     python reproduce/gpu_check/run.py --cpu    # the reduced form on CPUs (what a machine without a GPU runs)
 
-1. each of the six scripts with --cuda for a few updates on a tiny toy policy (m2po.py at staleness 2): exit 0,
+1. each of the seven scripts with --cuda for a few updates on a tiny toy policy (m2po.py at staleness 2): exit 0,
    the trainer on the GPU, every update logged with finite metrics in runs/<name>/metrics.jsonl;
 2. ``torchrun --nproc-per-node 1`` of grpo.py: the same run as the plain one;
 3. grpo.py interrupted (--debug-interrupt-at) and resumed (--resume) equals the uninterrupted run;
@@ -41,6 +41,7 @@ SCRIPTS = {  # each script's flags on the tiny policy (besides TINY): fast setti
     "grpo.py": [],
     "dapo.py": ["--max-sampling-rounds", "50"],  # room to fill a batch with groups that have a reward spread
     "m2po.py": ["--staleness", "2"],
+    "dppo.py": [],
     "ppo_stale.py": [],
     "tba.py": [],
     "vineppo.py": ["--mc-samples", "2"],

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 import tyro
 
+from common.drift import drift_metrics
 from common.engine import HFEngine
 from common.logprobs import collate, pad_float, response_logprobs
 from common.memory import release_free_memory
@@ -51,7 +52,7 @@ if __name__ == "__main__":
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     task = make_task("arithmetic", eval_size=10)
     n_params = sum(p.numel() for p in policy.parameters())
-    rows = {"generate": [], "train_step": [], "weight_sync": [], "heap_trim": []}
+    rows = {"generate": [], "train_step": [], "diagnostics": [], "weight_sync": [], "heap_trim": []}
     for rep in range(args.repeats + 1):
         prompts = [encode_prompt(tok, task.prompt(r)) for r in task.train_rows(rep, args.prompts)]
         t0 = time.perf_counter()
@@ -61,6 +62,7 @@ if __name__ == "__main__":
         t1 = time.perf_counter()
         B = len(outs)
         opt.zero_grad()
+        per_tok = {"logp": [], "behav": [], "seq": []}  # per response token, as the scripts collect them
         for i in range(0, B, args.micro_batch_size):  # micro-batches of whole groups, as grpo.py forms them
             sub = outs[i : i + args.micro_batch_size]
             batch = collate(
@@ -73,15 +75,24 @@ if __name__ == "__main__":
                 logp, _ = response_logprobs(policy, batch, 0.7)
                 loss = -(torch.exp(logp - behav) * batch["response_mask"]).sum() / (B * args.max_new_tokens)
             loss.backward()
+            mask = batch["response_mask"]
+            per_tok["logp"].append(logp.detach()[mask])
+            per_tok["behav"].append(behav[mask])
+            per_tok["seq"].append(torch.arange(i, i + len(sub))[:, None].expand_as(mask)[mask])
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         t2 = time.perf_counter()
+        per_tok = {
+            k: torch.cat(v) for k, v in per_tok.items()
+        }  # the drift diagnostics every script logs (common/drift.py)
+        drift_metrics(per_tok["logp"], per_tok["behav"], per_tok["seq"], None, fresh=True)
+        t2b = time.perf_counter()
         engine.load_weights([(n, p.detach().to(torch.bfloat16)) for n, p in policy.named_parameters()], rep + 1)
         t3 = time.perf_counter()
         release_free_memory()  # as the algorithm scripts do after every update
         t4 = time.perf_counter()
         if rep:  # the first round is a warm-up
-            for k, v in zip(rows, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            for k, v in zip(rows, (t1 - t0, t2 - t1, t2b - t2, t3 - t2b, t4 - t3)):
                 rows[k].append(v)
     prompt_tokens = sum(len(p) for p in prompts) * args.group_size
     gen_tokens = args.prompts * args.group_size * args.max_new_tokens
@@ -104,6 +115,7 @@ if __name__ == "__main__":
         f"(floor {floor_train:.2f} s: 6*N*(prompts {prompt_tokens // args.group_size} + responses {gen_tokens}) "
         f"tokens; {train_tokens} without prompt sharing)"
     )
+    print(f"diagnostics  {med['diagnostics']:6.4f} s (async/ess, ess_seq, log_ratio_m2, mismatch_kl: common/drift.py)")
     print(f"weight sync  {med['weight_sync']:6.2f} s")
     print(f"heap trim    {med['heap_trim']:6.2f} s   (freed memory back to the OS, common/memory.py)")
     total = sum(med.values())
