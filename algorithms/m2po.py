@@ -660,7 +660,7 @@ if __name__ == "__main__":
     start_time = saved_at = time.time()  # saved_at: the last checkpoint (or the start), the safety checkpoint's clock
     update, trained_tokens = start_update, 0
     try:
-        if update == 0 and args.eval_every > 0:
+        if ckpt is None and args.eval_every > 0:  # the initial policy (a run resumed at update 0 has logged it)
             metrics = evaluate()
             tracker.log(metrics, 0)
             print0(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
