@@ -154,7 +154,9 @@ class Args:
     """at the end, keep the full training state (checkpoint.pt: weights, AdamW state, RNG, queued rollouts, engine
     weights) so that --resume with a larger --total-updates extends the run; the trained model is always saved"""
     resume: str | None = None
-    """resume from a checkpoint.pt (or its run folder); the run continues in that folder"""
+    """resume from a checkpoint.pt (or its run folder); the run continues in that folder with its settings, except
+    --total-updates, --eval-every, --eval-batch-size, --checkpoint-every, --checkpoint-minutes, --keep-final-state,
+    --max-nonfinite-skips, --track, --wandb-project, --dist-timeout-minutes when given; another that differs: refused"""
     # --- TBA (its settings, and the defaults of its recipe)
     staleness: int = 2
     """sync period k: weights reach the searcher every max(1, k) updates; recency draws are <= k updates old (0:
