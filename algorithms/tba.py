@@ -173,7 +173,7 @@ class Args:
     beta_end: float = 0.05
     """beta after the linear annealing"""
     beta_anneal_updates: int = 0
-    """updates over which beta goes linearly from --beta-start to --beta-end (0: over --total-updates)"""
+    """updates over which beta goes linearly from --beta-start to --beta-end (0: the --total-updates first planned)"""
     recency_prob: float = 0.95
     """m: probability that a batch slot is a recency draw (a prompt refreshed at the latest sync, its newest samples)"""
     priority_inv_temp: float = 1.0
@@ -429,7 +429,7 @@ if __name__ == "__main__":
     policy = shard_model(policy, device)  # FSDP2 over the trainer ranks, from rank 0's weights (one process: moved)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     s, P, K = args.staleness, args.prompts_per_batch, args.group_size
-    anneal = args.beta_anneal_updates or args.total_updates
+    args.beta_anneal_updates = args.beta_anneal_updates or args.total_updates  # saved: a longer resume keeps it
     m = 1.0 if s == 0 else args.recency_prob  # synchronous TB trains only on the round of the current weights
 
     def encode(row: dict) -> list[int]:
@@ -750,7 +750,7 @@ if __name__ == "__main__":
                 list(range(first[j], first[min(j + slots_per_micro, len(slots))]))
                 for j in range(0, len(slots), slots_per_micro)
             ]
-            beta = beta_at(update, args.beta_start, args.beta_end, anneal)
+            beta = beta_at(update, args.beta_start, args.beta_end, args.beta_anneal_updates)
             t0 = time.time()
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(update)
