@@ -182,7 +182,7 @@ class Args:
     oversample: int = 2
     """dynamic sampling: prompts per sampling round = oversample * prompts_per_batch (the paper's recipe uses 3)"""
     max_sampling_rounds: int = 10
-    """dynamic sampling: sampling rounds per batch before the run stops with an error"""
+    """dynamic sampling: sampling rounds per batch before the run stops with a checkpoint (--resume may raise it)"""
     token_level_loss: bool = True
     """token-mean over all tokens of the minibatch; --no-token-level-loss averages per sequence first (GRPO)"""
     overlong_shaping: bool = True
@@ -528,12 +528,14 @@ if __name__ == "__main__":
                 P, G, r = args.prompts_per_batch, args.group_size, producer_state["next_round"]
                 kept, generated, rounds, gen_tokens, t0 = [], 0, 0, 0, time.time()
                 while len(kept) < P:
-                    if rounds == args.max_sampling_rounds:
-                        raise RuntimeError(
-                            f"dynamic sampling: after {rounds} rounds ({generated} groups) only {len(kept)} groups "
-                            f"had a reward spread, {P} needed for batch {k}; raise --max-sampling-rounds or "
-                            f"--oversample, lower --prompts-per-batch, or pass --no-dynamic-sampling"
+                    if rounds == args.max_sampling_rounds:  # the trainer stops after its update, with a checkpoint
+                        print(
+                            f"dynamic sampling: {len(kept)} of {P} groups with a reward spread for batch {k} after "
+                            f"{rounds} rounds ({generated} groups): resume with a larger --max-sampling-rounds, or "
+                            "start a new run with more --oversample, fewer --prompts-per-batch or --no-dynamic-sampling"
                         )
+                        interrupted.set()
+                        return wait_or_pause(lambda: queue.Queue().get(timeout=0.05))  # idle (pausable) until stopped
                     if args.dynamic_sampling:  # fresh prompts every round: the run's own prompt stream
                         rows, seed = task.train_rows(r, args.oversample * P), args.seed * 1_000_003 + 7_777_777 + r
                         r += 1
