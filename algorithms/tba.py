@@ -157,7 +157,9 @@ class Args:
     """at the end, keep the full training state (checkpoint.pt: weights, AdamW state, RNG, queued rollouts, engine
     weights) so that --resume with a larger --total-updates extends the run; the trained model is always saved"""
     resume: str | None = None
-    """resume from a checkpoint.pt (or its run folder); the run continues in that folder"""
+    """resume from a checkpoint.pt (or its run folder); the run continues in that folder with its settings, except
+    --total-updates, --eval-every, --eval-batch-size, --checkpoint-every, --checkpoint-minutes, --keep-final-state,
+    --max-nonfinite-skips, --track, --wandb-project, --dist-timeout-minutes when given; another that differs: refused"""
     # --- TBA (its settings, and the defaults of its recipe)
     staleness: int = 2
     """sync period k: weights reach the searcher every max(1, k) updates; recency draws are <= k updates old (0:
@@ -174,7 +176,7 @@ class Args:
     beta_end: float = 0.05
     """beta after the linear annealing"""
     beta_anneal_updates: int = 0
-    """updates over which beta goes linearly from --beta-start to --beta-end (0: over --total-updates)"""
+    """updates over which beta goes linearly from --beta-start to --beta-end (0: the --total-updates first planned)"""
     recency_prob: float = 0.95
     """m: probability that a batch slot is a recency draw (a prompt refreshed at the latest sync, its newest samples)"""
     priority_inv_temp: float = 1.0
@@ -429,7 +431,7 @@ if __name__ == "__main__":
     policy = shard_model(policy, device)  # FSDP2 over the trainer ranks, from rank 0's weights (one process: moved)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     s, P, K = args.staleness, args.prompts_per_batch, args.group_size
-    anneal = args.beta_anneal_updates or args.total_updates
+    args.beta_anneal_updates = args.beta_anneal_updates or args.total_updates  # saved: a longer resume keeps it
     m = 1.0 if s == 0 else args.recency_prob  # synchronous TB trains only on the round of the current weights
 
     def encode(row: dict) -> list[int]:
@@ -712,7 +714,7 @@ if __name__ == "__main__":
     start_time = saved_at = time.time()  # saved_at: the last checkpoint (or the start), the safety checkpoint's clock
     update, trained_tokens = start_update, 0
     try:
-        if update == 0 and args.eval_every > 0:
+        if ckpt is None and args.eval_every > 0:  # the initial policy (a run resumed at update 0 has logged it)
             metrics = evaluate_paused()
             tracker.log(metrics, 0)
             print0(f"eval @ 0: accuracy {metrics['eval/accuracy']:.3f}", flush=True)
@@ -746,7 +748,7 @@ if __name__ == "__main__":
                 list(range(first[j], first[min(j + slots_per_micro, len(slots))]))
                 for j in range(0, len(slots), slots_per_micro)
             ]
-            beta = beta_at(update, args.beta_start, args.beta_end, anneal)
+            beta = beta_at(update, args.beta_start, args.beta_end, args.beta_anneal_updates)
             t0 = time.time()
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(update)

@@ -99,10 +99,45 @@ def load_checkpoint(path: str | Path) -> dict:
     return ckpt
 
 
+# flags a resumed run takes from its command line: how long it runs and when it gives up, when it saves and
+# evaluates, where it logs. None changes what the remaining updates compute (--total-updates adds updates;
+# --max-sampling-rounds, dapo's, lets a run that stopped for it go on); the hidden --debug-* test hooks are applied too
+RESUME_FLAGS = (
+    "total_updates",
+    "max_sampling_rounds",
+    "max_nonfinite_skips",
+    "checkpoint_every",
+    "checkpoint_minutes",
+    "keep_final_state",
+    "eval_every",
+    "eval_batch_size",
+    "track",
+    "wandb_project",
+    "dist_timeout_minutes",
+)
+
+
+def given_flags(args, argv: list[str]) -> list[str]:
+    """The fields of ``args`` that ``argv`` sets, in order (``--total-updates 5``, ``--total-updates=5``,
+    ``--no-track``, ``--debug-nonfinite-at 1 2``: total_updates, total_updates, track, debug_nonfinite_at)."""
+    names = []
+    for a in argv:
+        if not a.startswith("--"):
+            continue
+        name = a[2:].split("=")[0].replace("-", "_")
+        if not hasattr(args, name) and name.startswith("no_"):
+            name = name[3:]
+        if hasattr(args, name) and name not in names:
+            names.append(name)
+    return names
+
+
 def resumed_args(args, ckpt: dict, argv: list[str] | None = None):
-    """The settings of a resumed run: the checkpoint's, except ``--resume`` and a ``--total-updates`` given on the
-    command line (``argv``, default ``sys.argv[1:]``), which trains the run further; a total at or below the
-    checkpoint's update is a SystemExit. ``args`` is the parsed command line (an instance of the script's Args)."""
+    """The settings of a resumed run: the checkpoint's, except ``--resume`` and the RESUME_FLAGS and ``--debug-*``
+    test hooks given on the command line (``argv``, default ``sys.argv[1:]``). Any other flag given with a value
+    that differs from the checkpoint's is a SystemExit naming them (a resumed run is the run that wrote the
+    checkpoint; a change is a new run), and so is a ``--total-updates`` at or below the checkpoint's update.
+    ``args`` is the parsed command line (an instance of the script's Args)."""
     argv = sys.argv[1:] if argv is None else argv
     foreign = sorted(set(ckpt["args"]) - set(vars(args)))
     if foreign:  # another script's settings (dapo.py's overlong_buffer, m2po.py's tau, ...)
@@ -111,10 +146,21 @@ def resumed_args(args, ckpt: dict, argv: list[str] | None = None):
             f"({', '.join(foreign[:3])}) {getattr(args, 'exp_name', 'this script')}.py does not have; resume it with "
             f"the script that wrote it."
         )
-    resumed = type(args)(**ckpt["args"])
+    saved = ckpt["args"]
+    resumed = type(args)(**saved)
     resumed.resume = args.resume
-    if any(a.split("=")[0] == "--total-updates" for a in argv):
-        resumed.total_updates = args.total_updates
+    changed = []
+    for name in given_flags(args, argv):
+        if name in RESUME_FLAGS or name.startswith("debug_"):
+            setattr(resumed, name, getattr(args, name))
+        elif name != "resume" and getattr(args, name) != saved.get(name):
+            changed.append(f"--{name.replace('_', '-')} {getattr(args, name)} (the checkpoint's: {saved.get(name)})")
+    if changed:
+        allowed = ", ".join(f"--{n.replace('_', '-')}" for n in RESUME_FLAGS if hasattr(args, n))
+        raise SystemExit(
+            f"--resume: {'; '.join(changed)}: a resumed run keeps its checkpoint's settings; start a new run to "
+            f"change them (a resume may change only {allowed})"
+        )
     if resumed.total_updates <= ckpt["update"]:
         raise SystemExit(
             f"--resume: the checkpoint is at update {ckpt['update']}; pass --total-updates N with "

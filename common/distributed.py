@@ -108,9 +108,14 @@ def full_model_state(model) -> dict:
 
 def full_state_dicts(model, optimizer) -> tuple[dict, dict]:
     """The model's and the optimizer's full (unsharded) state dicts on CPU, keyed by parameter name, on rank 0
-    (empty on the other ranks). The same format for any number of ranks: a checkpoint resumes on any other."""
+    (empty on the other ranks). The same format for any number of ranks: a checkpoint resumes on any other. An
+    optimizer that has not stepped yet (update 0, or only skipped steps) gives ``{"state": {}, "param_groups": []}``
+    and is left as it is (torch's get_optimizer_state_dict would first give it a state by a zero step, which counts
+    as AdamW's first step)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    if not broadcast(bool(optimizer.state)):  # rank 0's answer: the ranks step together
+        return full_model_state(model), {"state": {}, "param_groups": []}
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return full_model_state(model), get_optimizer_state_dict(model, optimizer, options=options)
 
@@ -118,14 +123,17 @@ def full_state_dicts(model, optimizer) -> tuple[dict, dict]:
 def load_full_state_dicts(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
     """Load ``full_state_dicts`` output: rank 0's dicts are broadcast and re-sharded to every rank (the other ranks'
     are ignored; every rank may pass what it read). The dicts are consumed: under torchrun their tensors are
-    replaced by this rank's shards."""
+    replaced by this rank's shards. An optimizer state without entries (saved before the first step) leaves
+    ``optimizer`` as new, so its first step is AdamW's first (set_optimizer_state_dict would count a zero step)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+    stepped = broadcast(bool(optimizer_state.get("state")))  # rank 0's checkpoint decides
     if dist.is_initialized() and dist.get_rank() != 0:
         model_state, optimizer_state = {}, {}
     set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+    if stepped:
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
 def barrier() -> None:

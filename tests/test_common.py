@@ -17,6 +17,7 @@ import torch
 from common import models
 from common.checkpoint import (
     NonFiniteGuard,
+    given_flags,
     load_checkpoint,
     lock_run_folder,
     resume_needs_current_weights,
@@ -761,19 +762,46 @@ class RunArgs:
     seed: int = 1
     learning_rate: float = 1e-6
     total_updates: int | None = None
+    checkpoint_every: int = 0
+    track: bool = False
+    debug_interrupt_at: int = -1
     resume: str | None = None
 
 
 def test_resumed_args_take_the_checkpoints_settings_but_resume_and_a_new_total():
     ckpt = {"update": 30, "args": asdict(RunArgs(seed=7, learning_rate=3e-6, total_updates=40))}
-    command_line = RunArgs(seed=2, learning_rate=1.0, total_updates=99, resume="runs/x/checkpoint.pt")
-    # without --total-updates on the command line, everything is the checkpoint's but --resume
-    resumed = resumed_args(command_line, ckpt, argv=["--resume", "runs/x/checkpoint.pt", "--seed", "2"])
+    command_line = RunArgs(seed=7, learning_rate=1.0, total_updates=99, resume="runs/x/checkpoint.pt")
+    # flags left out and flags given with the checkpoint's value: everything is the checkpoint's but --resume
+    resumed = resumed_args(command_line, ckpt, argv=["--resume", "runs/x/checkpoint.pt", "--seed", "7"])
     assert resumed == RunArgs(seed=7, learning_rate=3e-6, total_updates=40, resume="runs/x/checkpoint.pt")
     for argv in (["--total-updates", "99"], ["--total-updates=99"]):  # a longer run
         assert resumed_args(command_line, ckpt, argv=argv).total_updates == 99
     with pytest.raises(SystemExit, match=r"checkpoint is at update 30; pass --total-updates N with N > 30"):
-        resumed_args(RunArgs(total_updates=30), ckpt, argv=["--total-updates", "30"])
+        resumed_args(RunArgs(seed=7, total_updates=30), ckpt, argv=["--total-updates", "30"])
+
+
+def test_resumed_args_apply_the_flags_that_change_no_numerics_and_refuse_the_others():
+    ckpt = {"update": 3, "args": asdict(RunArgs(seed=7, total_updates=40))}
+    given = RunArgs(seed=2, learning_rate=0.5, checkpoint_every=5, track=True, debug_interrupt_at=4, resume="r")
+    argv = ["--resume", "r", "--checkpoint-every=5", "--track", "--debug-interrupt-at", "4"]
+    assert resumed_args(given, ckpt, argv=argv) == RunArgs(
+        seed=7, total_updates=40, checkpoint_every=5, track=True, debug_interrupt_at=4, resume="r"
+    )
+    off = resumed_args(RunArgs(seed=7, resume="r"), {**ckpt, "args": {**ckpt["args"], "track": True}}, ["--no-track"])
+    assert off.track is False
+    # one line naming every refused flag with both values, and what a resume may change
+    argv = ["--resume", "r", "--seed", "2", "--learning_rate", "0.5", "--checkpoint-every", "5"]
+    with pytest.raises(SystemExit) as e:
+        resumed_args(given, ckpt, argv=argv)
+    message = str(e.value)
+    assert "\n" not in message and "start a new run" in message
+    assert "--seed 2 (the checkpoint's: 7); --learning-rate 0.5 (the checkpoint's: 1e-06)" in message
+    assert "may change only --total-updates, --checkpoint-every, --track" in message
+    assert given_flags(given, ["--no-track", "--debug-interrupt-at", "1", "2", "--seed=3", "-h"]) == [
+        "track",
+        "debug_interrupt_at",
+        "seed",
+    ]
 
 
 def test_resumed_args_refuse_another_scripts_checkpoint():

@@ -2,6 +2,7 @@
 round limit, overlong filtering, resume, and equivalence with grpo.py when every DAPO technique is off."""
 
 import pytest
+import torch
 
 from conftest import FAST, assert_same_run, comparable, metrics_of, run_script
 
@@ -86,27 +87,31 @@ def test_every_technique_off_is_grpo(tiny_model_path, tmp_path):
         assert b["async/dropped_samples"] == 0 and b["dapo/groups_generated"] == P
 
 
-def test_dynamic_sampling_stops_with_a_clear_error_after_the_round_limit(tiny_model_path, tmp_path):
-    """Near-greedy sampling makes every group's samples identical, so no group ever has a spread."""
-    proc = run_script(
-        "dapo.py",
-        "--model",
-        tiny_model_path,
-        *FAST,
-        "--total-updates",
-        "2",
-        "--temperature",
-        "0.001",
-        "--max-sampling-rounds",
-        "2",
-        "--run-name",
-        "never",
-        cwd=tmp_path,
-        check=False,
-        timeout=120,
+@pytest.mark.parametrize("staleness", ["0", "2"])
+def test_running_out_of_sampling_rounds_checkpoints_and_a_resume_may_raise_them(tiny_model_path, tmp_path, staleness):
+    """With this seed batches 0-2 need 4, 5 and 6 sampling rounds: --max-sampling-rounds 5 stops the run at batch 2
+    with one line saying what to do, after the trainer's current update, with a checkpoint (at a lag the producer
+    is ahead: the queued batches are saved). --resume with --max-sampling-rounds 50 regenerates batch 2 from the
+    same place in the prompt stream, and the run equals one that had 50 from the start (a batch that fits in the
+    rounds is the same under any limit)."""
+    flags = ["--model", tiny_model_path, *FAST, "--staleness", staleness, "--total-updates", "5"]
+    run_script("dapo.py", *flags, *ROUNDS, "--run-name", "full", cwd=tmp_path)
+    assert [r["dapo/sampling_rounds"] for r in train_rows(tmp_path, "full")][:3] == [4, 5, 6]
+    proc = run_script("dapo.py", *flags, "--max-sampling-rounds", "5", "--run-name", "c5", cwd=tmp_path, check=False)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    line = "dynamic sampling: 1 of 2 groups with a reward spread for batch 2 after 5 rounds (20 groups): resume with a "
+    assert line + "larger --max-sampling-rounds" in proc.stdout
+    ck = torch.load(tmp_path / "runs" / "c5" / "checkpoint.pt", weights_only=False)
+    assert ck["update"] <= 2 and ck["next_k"] == 2  # batch 2 is generated again on resume
+    assert [r["global_step"] for r in train_rows(tmp_path, "c5")] == list(range(1, ck["update"] + 1))
+    refused = run_script(
+        "dapo.py", "--resume", str(tmp_path / "runs" / "c5"), "--oversample", "3", cwd=tmp_path, check=False
     )
-    assert proc.returncode != 0
-    assert "dynamic sampling: after 2 rounds" in proc.stderr and "--no-dynamic-sampling" in proc.stderr
+    assert refused.returncode == 1 and "--oversample 3 (the checkpoint's: 2)" in refused.stderr
+    assert "start a new run" in refused.stderr and "--max-sampling-rounds" in refused.stderr
+    run_script("dapo.py", "--resume", str(tmp_path / "runs" / "c5"), "--max-sampling-rounds", "50", cwd=tmp_path)
+    assert_same_run(comparable(metrics_of(tmp_path, "c5")), comparable(metrics_of(tmp_path, "full")))
 
 
 def test_overlong_filtering_masks_truncated_samples(tiny_model_path, tmp_path):

@@ -265,6 +265,30 @@ def test_full_state_dicts_round_trip_in_one_process(tiny_model_path):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
 
 
+def test_state_dicts_before_the_first_step_leave_adamw_unstepped(tiny_model_path):
+    """A checkpoint before AdamW's first step (update 0) holds no optimizer state, saving it leaves the running
+    optimizer as it was, and a run resumed from it takes the step an uninterrupted run takes (torch's state-dict API
+    would count a zero step as AdamW's first, which changes the bias correction of every later step)."""
+
+    def first_step(model, optimizer):
+        model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+        optimizer.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    model = load_model(tiny_model_path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model_state, optimizer_state = full_state_dicts(model, optimizer)
+    assert optimizer_state["state"] == {} and not optimizer.state  # saved and left unstepped
+    resumed = load_model(tiny_model_path)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    load_full_state_dicts(resumed, resumed_opt, model_state, optimizer_state)
+    assert not resumed_opt.state
+    expected, got = first_step(model, optimizer), first_step(resumed, resumed_opt)
+    for n, w in expected.items():
+        assert torch.equal(w, got[n]), n
+    assert all(s["step"] == 1 for s in resumed_opt.state.values())
+
+
 def test_engine_gpus_are_the_nodes_gpus_after_the_trainers(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")

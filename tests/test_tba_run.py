@@ -185,6 +185,22 @@ def test_resume_free_running_continues_with_the_buffer(tiny_model_path, tmp_path
     assert ck2["update"] == 5 and set(saved) <= set(ck2["buffer"])
 
 
+def test_extending_a_run_keeps_the_schedules_of_its_plan(tiny_model_path, tmp_path):
+    """A resume with a larger --total-updates goes on with the schedules the run was planned with: beta annealed over
+    the first plan's 3 updates, then --beta-end (not re-planned over 5); the learning-rate warm-up over its own
+    --warmup-updates; the evaluation period the first plan derived (default 10: evaluations at 0, 3, the first end,
+    and 5, the end)."""
+    flags = ["--model", tiny_model_path, *FAST[: FAST.index("--eval-every")], *HOT]
+    flags += ["--staleness", "0", "--warmup-updates", "4"]
+    run_script("tba.py", *flags, "--total-updates", "3", "--keep-final-state", "--run-name", "tk", cwd=tmp_path)
+    run_script("tba.py", "--resume", str(tmp_path / "runs" / "tk"), "--total-updates", "5", cwd=tmp_path)
+    rows = train_rows(tmp_path, "tk")
+    assert [r["global_step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["tba/beta"] for r in rows] == pytest.approx([1.0, 1.0 - 0.5 / 3, 1.0 - 1 / 3, 0.5, 0.5])
+    assert [r["charts/learning_rate"] for r in rows] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    assert [r["global_step"] for r in metrics_of(tmp_path, "tk") if "eval/accuracy" in r] == [0, 3, 5]
+
+
 def test_searcher_error_ends_the_run(tiny_model_path, tmp_path):
     t0 = time.time()
     proc = run_script(
