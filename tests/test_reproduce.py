@@ -149,6 +149,28 @@ def test_plot_script_draws_the_committed_csv(name, testbed, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "|---|" in proc.stdout  # the table the README carries
+    assert_readme_tables_match(name, testbed, proc.stdout)
+
+
+def table_rows(text: str) -> list[str]:
+    """A markdown text's table rows (not the |---| rules), whitespace collapsed and the typographic minus as '-'."""
+    rows = [" ".join(line.replace("\u2212", "-").split()) for line in text.splitlines() if line.startswith("|")]
+    return [r for r in rows if not set(r) <= set("|-: ")]
+
+
+def assert_readme_tables_match(name: str, testbed: str, printed: str) -> None:
+    """Every table row the plot prints that its README states (a row of the testbed's section with the same first
+    cell: a configuration, an algorithm, a hypothesis, a header) is the printed row, number for number; at least
+    one row is stated. Rows the README leaves out (cells without committed runs) are not checked."""
+    readme = (ROOT / "reproduce" / name / "README.md").read_text()
+    head = "## On the chain testbed" if testbed == "chain" else "## On 2-digit addition"
+    section = readme[readme.index(head) + len(head) :].split("\n## ")[0]
+    stated: dict[str, set] = {}
+    for row in table_rows(section):
+        stated.setdefault(row.split("|")[1].strip(), set()).add(row)
+    checked = [row for row in table_rows(printed) if row.split("|")[1].strip() in stated]
+    wrong = [row for row in checked if row not in stated[row.split("|")[1].strip()]]
+    assert checked and not wrong, f"{name} ({testbed}): README rows that differ from plot.py's:\n" + "\n".join(wrong)
 
 
 @pytest.mark.run

@@ -82,7 +82,7 @@ if __name__ == "__main__":
                 pm(final[e]),
                 f"{max(mean) * 100:.1f}",
                 f"{clock[e][1][-1] / 60:.1f}",
-                reach if reach is not None else "not reached",
+                f"{reach:g}" if reach is not None else "not reached",
             ]
         )
     print(
