@@ -138,15 +138,14 @@ def resumed_args(args, ckpt: dict, argv: list[str] | None = None):
     that differs from the checkpoint's is a SystemExit naming them (a resumed run is the run that wrote the
     checkpoint; a change is a new run), and so is a ``--total-updates`` at or below the checkpoint's update.
     ``args`` is the parsed command line (an instance of the script's Args)."""
-    argv = sys.argv[1:] if argv is None else argv
-    foreign = sorted(set(ckpt["args"]) - set(vars(args)))
+    argv, saved = sys.argv[1:] if argv is None else argv, ckpt["args"]
+    foreign = sorted(set(saved) - set(vars(args)))
     if foreign:  # another script's settings (dapo.py's overlong_buffer, m2po.py's tau, ...)
         raise SystemExit(
-            f"--resume {args.resume}: written by {ckpt['args'].get('exp_name', 'another script')}.py, whose settings "
+            f"--resume {args.resume}: written by {saved.get('exp_name', 'another script')}.py, whose settings "
             f"({', '.join(foreign[:3])}) {getattr(args, 'exp_name', 'this script')}.py does not have; resume it with "
             f"the script that wrote it."
         )
-    saved = ckpt["args"]
     resumed = type(args)(**saved)
     resumed.resume = args.resume
     changed = []

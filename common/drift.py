@@ -10,7 +10,8 @@ def ess(log_w: torch.Tensor) -> float:
     weight is scaled), so that sequence weights, which are products of many token ratios, cannot overflow."""
     if log_w.numel() == 0:
         return 1.0
-    w = torch.exp(log_w.double() - log_w.double().max())
+    x = log_w.double()
+    w = torch.exp(x - x.max())
     return (w.sum() ** 2 / (w.numel() * (w * w).sum())).item()
 
 
