@@ -551,13 +551,15 @@ def seed_values(rows: list[dict], cell: dict, y: str = "eval/accuracy", step: st
 
 def check_hypotheses(rows: list[dict], hypotheses: list[Hypothesis], scale: float = 100.0) -> list[tuple]:
     """(hypothesis, paired_verdict of its final greedy accuracies, in points) for each hypothesis whose two cells
-    share seeds in ``rows``; the others are left out."""
+    share seeds in ``rows``; the others are left out. ``number``: the hypothesis's place in ``hypotheses`` from 1,
+    so H5 keeps its name in a set of results that lacks H4's cells."""
     out = []
-    for h in hypotheses:
+    for number, h in enumerate(hypotheses, 1):
         a, b = seed_values(rows, h.a), seed_values(rows, h.b)
         seeds = sorted(set(a) & set(b))
         if seeds:
-            out.append((h, dict(paired_verdict([(a[k] - b[k]) * scale for k in seeds], h.sign), seeds=seeds)))
+            verdict = paired_verdict([(a[k] - b[k]) * scale for k in seeds], h.sign)
+            out.append((h, dict(verdict, seeds=seeds, number=number)))
     return out
 
 
@@ -566,7 +568,7 @@ def hypothesis_table(rows: list[dict], results: list[tuple]) -> str:
     seeds' own start (mean +- sd, %, over the paired seeds), the mean paired difference with its 95% CI, the seeds
     in the hypothesis's direction, the verdict."""
     table = []
-    for i, (h, r) in enumerate(results, 1):
+    for h, r in results:
         cells = []
         for cell in (h.a, h.b):
             final, start = seed_values(rows, cell), seed_values(rows, cell, step="start")
@@ -574,7 +576,7 @@ def hypothesis_table(rows: list[dict], results: list[tuple]) -> str:
             sign = "+" if mean_sd(gain)[0] >= 0 else ""
             cells.append(f"{pm([final[k] for k in r['seeds']])} ({sign}{pm(gain)})")
         ci = f"{r['mean']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}]" if r["n"] > 1 else f"{r['mean']:+.1f}"
-        table.append([f"H{i}: {h.claim}", *cells, ci, f"{r['agree']}/{r['n']}", r["verdict"]])
+        table.append([f"H{r['number']}: {h.claim}", *cells, ci, f"{r['agree']}/{r['n']}", r["verdict"]])
     header = ["hypothesis", "a: final (gain)", "b: final (gain)", "a - b, 95% CI (points)", "seeds agreeing"]
     heading = "hypotheses (final greedy accuracy, %; gain: final - the seed's own start):\n"
     return heading + markdown_table([*header, "verdict"], table)
@@ -592,7 +594,7 @@ def plot_paired(ax, results: list[tuple], title: str = "hypotheses: paired diffe
             )
     ax.axvline(0, color="black", linewidth=0.8)
     ax.axvspan(-NO_EFFECT, NO_EFFECT, color="C2", alpha=0.12, label=f"no effect (+-{NO_EFFECT:g})")
-    ax.set_yticks(range(len(results)), [f"H{len(results) - i}" for i in range(len(results))])
+    ax.set_yticks(range(len(results)), [f"H{r['number']}" for _, r in reversed(results)])
     ax.set_xlabel("a - b, final greedy accuracy (points): seeds, mean, 95% CI")
     ax.set_title(title)
     ax.grid(alpha=0.3, axis="x")

@@ -130,18 +130,23 @@ def test_run_jobs_stops_on_a_failing_run_with_its_log(tmp_path):
     assert "no-such-flag" in str(err.value) and not (tmp_path / "runs" / "bad" / "done").exists()
 
 
-# every committed set of results: each figure's arithmetic CSV, and its chain CSV where one is committed
-COMMITTED = [(name, "arithmetic") for name in FIGURES] + [
-    (name, "chain") for name in FIGURES if (ROOT / "reproduce" / name / f"{name}_chain.csv").exists()
+# every committed set of results: each figure's arithmetic CSV, its chain CSV where one is committed, and the
+# chain set of three seeds at an earlier commit (<name>_chain_3seeds.csv) where its cells are not yet rerun at ten
+COMMITTED = [(name, "arithmetic", "") for name in FIGURES] + [
+    (name, "chain", kept)
+    for name in FIGURES
+    for kept in ("", "_3seeds")
+    if (ROOT / "reproduce" / name / f"{name}_chain{kept}.csv").exists()
 ]
 
 
 @pytest.mark.run
-@pytest.mark.parametrize("name,testbed", COMMITTED)
-def test_plot_script_draws_the_committed_csv(name, testbed, tmp_path):
+@pytest.mark.parametrize("name,testbed,kept", COMMITTED)
+def test_plot_script_draws_the_committed_csv(name, testbed, kept, tmp_path):
     png = tmp_path / f"{name}.png"
+    csv = ["--csv", str(ROOT / "reproduce" / name / f"{name}_chain{kept}.csv")] if kept else []
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "reproduce" / name / "plot.py"), "--testbed", testbed, "--png", str(png)],
+        [sys.executable, str(ROOT / "reproduce" / name / "plot.py"), "--testbed", testbed, *csv, "--png", str(png)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -149,7 +154,7 @@ def test_plot_script_draws_the_committed_csv(name, testbed, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "|---|" in proc.stdout  # the table the README carries
-    assert_readme_tables_match(name, testbed, proc.stdout)
+    assert_readme_tables_match(name, testbed, proc.stdout, kept)
 
 
 def table_rows(text: str) -> list[str]:
@@ -158,12 +163,13 @@ def table_rows(text: str) -> list[str]:
     return [r for r in rows if not set(r) <= set("|-: ")]
 
 
-def assert_readme_tables_match(name: str, testbed: str, printed: str) -> None:
-    """Every table row the plot prints that its README states (a row of the testbed's section with the same first
-    cell: a configuration, an algorithm, a hypothesis, a header) is the printed row, number for number; at least
-    one row is stated. Rows the README leaves out (cells without committed runs) are not checked."""
+def assert_readme_tables_match(name: str, testbed: str, printed: str, kept: str = "") -> None:
+    """Every table row the plot prints that its README states (a row of the set's section with the same first cell:
+    a configuration, an algorithm, a hypothesis, a header) is the printed row, number for number; at least one row
+    is stated. Rows the README leaves out (cells without committed runs) are not checked. The sections: "On the
+    chain testbed", "On the chain testbed, three seeds" (kept = "_3seeds") and "On 2-digit addition"."""
     readme = (ROOT / "reproduce" / name / "README.md").read_text()
-    head = "## On the chain testbed" if testbed == "chain" else "## On 2-digit addition"
+    head = "## On 2-digit addition" if testbed != "chain" else "## On the chain testbed" + (kept and ", three seeds")
     section = readme[readme.index(head) + len(head) :].split("\n## ")[0]
     stated: dict[str, set] = {}
     for row in table_rows(section):
@@ -468,11 +474,13 @@ def test_hypotheses_pair_cells_by_seed_and_report_the_gain_over_each_start():
     rows = run("a", 2.0, 0.30, 0.50) + run("b", 1.0, 0.20, 0.25) + run("a", 1.0, 0.20, 0.30) + run("b", 2.0, 0.30, 0.40)
     rows += run("a", 3.0, 0.25, 0.90)  # no seed 3 for b: not paired
     h = sweep.Hypothesis("a above b", {"algo": "a"}, {"algo": "b"}, 1)
-    [(got, r)] = sweep.check_hypotheses(rows, [h, sweep.Hypothesis("absent", {"algo": "c"}, {"algo": "b"}, 1)])
+    absent = sweep.Hypothesis("absent", {"algo": "c"}, {"algo": "b"}, 1)
+    [(got, r)] = sweep.check_hypotheses(rows, [absent, h])  # a hypothesis keeps its number when one before is absent
     assert got is h and r["diffs"] == [pytest.approx(5.0), pytest.approx(10.0)] and r["agree"] == 2
+    assert r["number"] == 2
     assert sweep.seed_values(rows, {"algo": "a"}, step="start") == {1.0: 0.20, 2.0: 0.30, 3.0: 0.25}
     table = sweep.hypothesis_table(rows, [(h, r)])
     # seeds 1 and 2: a 30 / 50 (gains 10 / 20), b 25 / 40 (gains 5 / 10); a - b = 5 / 10: 7.5 +- 12.706 * 3.54 / 1.41
-    row = "| H1: a above b | 40.0 ± 14.1 (+15.0 ± 7.1) | 32.5 ± 10.6 (+7.5 ± 3.5) | +7.5 [-24.3, +39.3] | 2/2 |"
+    row = "| H2: a above b | 40.0 ± 14.1 (+15.0 ± 7.1) | 32.5 ± 10.6 (+7.5 ± 3.5) | +7.5 [-24.3, +39.3] | 2/2 |"
     assert row in table
     assert table.rstrip().endswith("undecided, 2 seeds |")

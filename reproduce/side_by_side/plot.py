@@ -75,7 +75,9 @@ if __name__ == "__main__":
     fig, axes = figure(len(stalenesses) + 1, width=4.2)
     for ax, s in zip(axes, stalenesses):
         plot_curves(ax, [r for r in rows if int(r["staleness"]) == s], "algo", "eval/accuracy", order=ALGOS, scale=100)
-        ax.set_title(f"staleness s = {s}" + (" (tba: sync period k)" if s else ""))
+        ax.set_title(
+            f"staleness s = {s}" + (" (tba: sync period k)" if s and any(r["algo"] == "tba" for r in rows) else "")
+        )
         ax.set_xlabel("optimizer update")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("greedy accuracy on 500 held-out problems (%)")
@@ -85,7 +87,7 @@ if __name__ == "__main__":
     plot_paired(axes[-1], results)
     save(fig, args.png)
     table = []
-    for algo in ALGOS:
+    for algo in [a for a in ALGOS if any(r["algo"] == a for r in rows)]:
         cells = []
         for s in stalenesses:
             final = final_values(
