@@ -48,34 +48,37 @@ if __name__ == "__main__":
     start = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r and r["global_step"] == 0]
     results = check_hypotheses(rows, HYPOTHESES)
     fig, (bars, ent, clip, trunc, paired) = figure(5, width=5.2)
-    stats = [mean_sd(final[r]) for r in ROWS]
+    present = [r for r in ROWS if r in final]  # a CSV may hold some rows (the ten-seed chain set: the first and last)
+    stats = [mean_sd(final[r]) for r in present]
     bars.bar(
-        range(len(ROWS)),
+        range(len(present)),
         [m * 100 for m, _ in stats],
         yerr=[sd * 100 for _, sd in stats],
         capsize=3,
         color="tab:blue",
         alpha=0.6,
     )
-    for i, r in enumerate(ROWS):
+    for i, r in enumerate(present):
         bars.scatter([i] * len(final[r]), [v * 100 for v in final[r]], color="black", s=10, zorder=3)
-    bars.set_xticks(range(len(ROWS)), [r.replace("+ ", "+") for r in ROWS], rotation=25, ha="right", fontsize=8)
+    bars.set_xticks(range(len(present)), [r.replace("+ ", "+") for r in present], rotation=25, ha="right", fontsize=8)
     bars.set(
         title=f"(a) final greedy accuracy, from {sum(start) / len(start) * 100:.1f}% (dots: seeds)",
         ylabel="accuracy on 500 held-out problems (%)",
     )
-    lo = min(v for r in ROWS for v in final[r]) * 100
+    lo = min(v for r in present for v in final[r]) * 100
     bars.set_ylim(max(0, lo - 10), None)
+    # clip-higher's own rows where the CSV has them, else the rows it has (the last one with clip-higher on)
+    pair = [r for r in ROWS[1:3] if r in final] or present
     plot_curves(
         ent,
-        [r for r in rows if r["row"] in ROWS[1:3]],
+        [r for r in rows if r["row"] in pair],
         "row",
         "losses/entropy",
-        order=ROWS[1:3],
+        order=pair,
         labels={ROWS[1]: "symmetric clip (eps 0.2)", ROWS[2]: "clip-higher (eps_high 0.28)"},
     )
     ent.set(
-        title="(b) policy entropy with and without clip-higher",
+        title="(b) policy entropy " + ("with and without clip-higher" if pair == ROWS[1:3] else "per row"),
         xlabel="optimizer update",
         ylabel="mean token entropy (nats)",
     )
@@ -94,6 +97,8 @@ if __name__ == "__main__":
     save(fig, args.png)
     table = []
     for r, paper in zip(ROWS, PAPER):
+        if r not in final:
+            continue
         filt = run_means(rows, "row", r, "dapo/overlong_filtered_frac")
         pen = run_means(rows, "row", r, "dapo/overlong_penalty_mean")
         kept = [
