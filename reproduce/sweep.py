@@ -54,8 +54,9 @@ class SweepArgs:
     parallel: int = 2
     """runs at a time (one thread each)"""
     only: list[str] = field(default_factory=list)
-    """run and write only the runs whose labels include every one of these values, e.g. --only m2po 256 (one row
-    of a figure; the CSV then holds only those runs, so pass --out elsewhere); default: every run"""
+    """run and write only the runs with these label values, e.g. --only m2po 256 (one cell of a figure) or --only
+    GRPO '+ dynamic sampling (DAPO)' (two rows: values of one label are alternatives); the CSV then holds only those
+    runs; default: every run"""
     any_start: bool = False
     """run even when the starting policy's accuracies are outside START_BANDS (the figures' READMEs assume a start
     inside them); a loud warning instead of an error"""
@@ -179,9 +180,17 @@ def toy_job(
 
 
 def select(jobs: list["Job"], only: list[str]) -> list["Job"]:
-    """The jobs whose label values (as text, seeds excluded) include every value in ``only`` (all jobs if empty);
-    an ``only`` that selects nothing is an error listing the labels there are."""
-    chosen = [j for j in jobs if set(only) <= {str(v) for k, v in j.labels.items() if k != "seed"}]
+    """The jobs that match every value in ``only`` (all jobs if empty), a value matching a job whose label (as text,
+    seeds excluded) equals it; values of the same label are alternatives (two rows, two configurations), values of
+    different labels must all match (m2po and 256). An ``only`` that selects nothing is an error listing the labels
+    there are."""
+    alternatives: dict[frozenset, set] = defaultdict(set)  # the label keys a value names -> the values naming them
+    for value in only:
+        keys = frozenset(k for j in jobs for k, v in j.labels.items() if k != "seed" and str(v) == value)
+        alternatives[keys].add(value)
+    chosen = [
+        j for j in jobs if all(any(str(j.labels.get(k)) in vals for k in keys) for keys, vals in alternatives.items())
+    ]
     if not chosen:
         labels = sorted({str(v) for j in jobs for k, v in j.labels.items() if k != "seed"})
         raise SystemExit(

@@ -11,7 +11,7 @@ loss -> +dynamic sampling (= DAPO).
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,21 +46,14 @@ KEYS = [
 class Args(SweepArgs):
     staleness: int = 0
     """exact lag of every row (the paper's ablation is synchronous)"""
-    rows: list[int] = field(default_factory=lambda: list(range(len(ROWS))))
-    """the rows to run, by number: 0 is GRPO, r turns on the first r switches, 5 is DAPO (default: all six; the
-    ten-seed chain set: 0 5, the rows its hypothesis names)"""
     out: str = ""
     """the CSV of every run's metrics, which the plot reads (default: dapo_ablation.csv here; with --testbed chain:
     dapo_ablation_chain.csv)"""
 
 
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
-    if not set(args.rows) <= set(range(len(ROWS))):
-        raise SystemExit(f"--rows must be numbers from 0 to {len(ROWS) - 1} (0 = GRPO, 5 = DAPO), got {args.rows}")
     out = []
     for row, name in enumerate(ROWS):  # row r turns on the first r switches
-        if row not in args.rows:
-            continue
         extra = tuple(f"--{'' if i < row else 'no-'}{sw}" for i, sw in enumerate(SWITCHES))
         out += [
             toy_job(models, args, "dapo", args.staleness, seed, {"row": name}, extra, f"ladder{row}")

@@ -15,7 +15,7 @@ synchronous GRPO both cores as intra-op threads, so time/elapsed compares the tw
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,9 +49,6 @@ class Args(SweepArgs):
     cores, TBA's searcher and trainer on a core each, synchronous GRPO with 2 intra-op threads, whatever --parallel
     says (default: 1 on arithmetic, 2 on chain; the 2-core runs' names end in 2cores, so they never stand in for a
     1-core run)"""
-    configs: list[str] = field(default_factory=lambda: list(CONFIGS))
-    """the configurations to run, by label (default: all five; the ten-seed chain set: 'GRPO (synchronous)' 'TBA k=2,
-    m=1.0', the cells its hypothesis names)"""
     out: str = ""
     """the CSV of every run's metrics, which the plot reads (default: tba_async.csv here; with --testbed chain:
     tba_async_chain.csv)"""
@@ -60,9 +57,6 @@ class Args(SweepArgs):
 def jobs(args: Args, models: dict[int, str]) -> list[Job]:
     if args.cores_per_run not in (1, 2):
         raise SystemExit(f"--cores-per-run must be 1 or 2, got {args.cores_per_run}")
-    unknown = [c for c in args.configs if c not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"--configs: unknown {unknown}; the configurations are {list(CONFIGS)}")
     two = args.cores_per_run == 2
     return [
         toy_job(
@@ -77,7 +71,6 @@ def jobs(args: Args, models: dict[int, str]) -> list[Job]:
             threads=2 if two and algo == "grpo" else 1,  # synchronous GRPO: both cores as intra-op threads
         )
         for name, (algo, s, extra, tag) in CONFIGS.items()
-        if name in args.configs
         for seed in args.seeds
     ]
 
