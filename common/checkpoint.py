@@ -3,13 +3,16 @@ holds them (made, locked and checked before a run builds anything), and the guar
 gradient out of the weights."""
 
 import atexit
+import contextlib
 import fcntl
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -190,6 +193,25 @@ def run_folder(args, rank: int, ckpt: dict | None = None) -> str:
     return str(folder)
 
 
+@contextlib.contextmanager
+def signals_held(sigs=(signal.SIGINT, signal.SIGTERM)):
+    """Hold Ctrl-C and SIGTERM while the block runs and deliver each one that came (once) when it ends, so that a
+    block that makes something and registers its clean-up is never cut between the two. Only the main thread sets
+    signal handlers: in another thread, and for a signal whose handler Python did not set, the block runs as is."""
+    main = threading.current_thread() is threading.main_thread()
+    before = {sig: signal.getsignal(sig) for sig in sigs if main and signal.getsignal(sig) is not None}
+    came = []
+    for sig in before:
+        signal.signal(sig, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(came):
+            signal.raise_signal(sig)
+
+
 def lock_run_folder(folder: str | Path, new: bool = True):
     """Make ``folder`` and hold it for the life of this process: an exclusive flock() on its .lock file, which the
     kernel drops when the process ends, however it ends, so a killed run never leaves it stuck. Refused with a
@@ -199,51 +221,53 @@ def lock_run_folder(folder: str | Path, new: bool = True):
     file goes, and so do the folder and its parent when this call made them and they are left empty (a run stopped
     by bad input leaves nothing). Returns that release function (atexit calls it too; once is enough)."""
     folder = Path(folder)
-    made = [d for d in (folder, *folder.parents) if not d.exists()]  # deepest first
-    for _ in range(3):  # again if the lock file was removed between open() and flock() by a run that just ended
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            f = open(folder / LOCK, "a+")
-        except OSError as e:
-            raise SystemExit(
-                f"cannot make the run folder {folder} ({e.strerror or e}): run from a folder you can write to."
-            ) from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            pid = f.read().strip() or "?"
-            f.close()
-            raise SystemExit(
-                f"{folder} is in use by another run (process {pid}); pick another --run-name, or wait for it to end."
-            ) from None
-        try:
-            held, named = os.fstat(f.fileno()), os.stat(folder / LOCK)
-            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
-                break
-        except FileNotFoundError:
-            pass
-        f.close()
-    else:
-        raise SystemExit(f"{folder}: could not lock its {LOCK} file; another run keeps starting and ending there.")
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    owner = os.getpid()
-
-    def release():
-        if f.closed or os.getpid() != owner:  # a forked child (an engine's worker) leaves the run's lock alone
-            return
-        (folder / LOCK).unlink(missing_ok=True)  # before the lock goes: a run starting now makes a new file
-        f.close()
-        for d in made:  # the folder, then runs/, when this call made them and nothing is in them
+    with signals_held():  # the folder, its lock and their clean-up at exit: made as one step
+        made = [d for d in (folder, *folder.parents) if not d.exists()]  # deepest first
+        for _ in range(3):  # again if the lock file was removed between open() and flock() by a run that just ended
             try:
-                d.rmdir()
-            except OSError:
-                break
+                folder.mkdir(parents=True, exist_ok=True)
+                f = open(folder / LOCK, "a+")
+            except OSError as e:
+                raise SystemExit(
+                    f"cannot make the run folder {folder} ({e.strerror or e}): run from a folder you can write to."
+                ) from None
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                pid = f.read().strip() or "?"
+                f.close()
+                raise SystemExit(
+                    f"{folder} is in use by another run (process {pid}); "
+                    "pick another --run-name, or wait for it to end."
+                ) from None
+            try:
+                held, named = os.fstat(f.fileno()), os.stat(folder / LOCK)
+                if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+                    break
+            except FileNotFoundError:
+                pass
+            f.close()
+        else:
+            raise SystemExit(f"{folder}: could not lock its {LOCK} file; another run keeps starting and ending there.")
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        owner = os.getpid()
 
-    atexit.register(release)
+        def release():
+            if f.closed or os.getpid() != owner:  # a forked child (an engine's worker) leaves the run's lock alone
+                return
+            (folder / LOCK).unlink(missing_ok=True)  # before the lock goes: a run starting now makes a new file
+            f.close()
+            for d in made:  # the folder, then runs/, when this call made them and nothing is in them
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+
+        atexit.register(release)
     found = [n for n in RUN_FILES if (folder / n).exists() and (n != "metrics.jsonl" or (folder / n).stat().st_size)]
     if new and found:
         release()

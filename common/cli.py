@@ -12,6 +12,7 @@ docstring that states its own ``(default: ...)`` gets no second one from tyro.
 """
 
 import ast
+import atexit
 import dataclasses
 import inspect
 import os
@@ -79,14 +80,24 @@ def parse(cls, description: str, argv: list[str] | None = None):
     return cls(**values)
 
 
-def quiet_startup_interrupts() -> None:
+def quiet_startup_interrupts(every: float = 0.5) -> None:
     """Until the script installs its own handlers (from its training loop on, Ctrl-C and SIGTERM stop the run with a
     checkpoint), Ctrl-C or SIGTERM ends the start-up with one line, on rank 0 (``RANK``), and exit status 130
-    instead of a traceback; exit handlers still run (the run folder's lock goes, and an empty run folder with it)."""
+    instead of a traceback; exit handlers still run (the run folder's lock goes, and an empty run folder with it).
+    The SystemExit can be swallowed where the signal lands: by an extension module being imported (numpy.random's
+    Cython module does) or, with a traceback, in a weakref callback or ``__del__`` (the import system's module
+    locks). So it is raised again every ``every`` seconds (SIGALRM) until the exit handlers start, and a swallowed
+    one prints nothing."""
 
     def stop(signum, frame):
-        if os.environ.get("RANK", "0") == "0":
-            print("interrupted during start-up, before any update: nothing to save", file=sys.stderr, flush=True)
+        if signum != signal.SIGALRM:
+            if os.environ.get("RANK", "0") == "0":
+                print("interrupted during start-up, before any update: nothing to save", file=sys.stderr, flush=True)
+            atexit.register(signal.setitimer, signal.ITIMER_REAL, 0)  # registered last, so it runs first
+            signal.signal(signal.SIGALRM, stop)
+            signal.setitimer(signal.ITIMER_REAL, every, every)
+            hook = sys.unraisablehook
+            sys.unraisablehook = lambda u: None if isinstance(u.exc_value, SystemExit) else hook(u)
         raise SystemExit(130)
 
     for sig in (signal.SIGINT, signal.SIGTERM):

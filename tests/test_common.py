@@ -1,13 +1,16 @@
 """Every helper in common/: tasks and verifiers, model resolution, engine, batching, tracking, checkpoints."""
 
 import copy
+import fcntl
 import json
 import math
 import os
 import platform
 import signal
 import socket
+import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from common.checkpoint import (
     save_checkpoint,
     save_model,
     set_rng_state,
+    signals_held,
 )
 from common.cli import quiet_startup_interrupts
 from common.distributed import full_model_state
@@ -867,6 +871,46 @@ def test_run_folder_is_made_locked_and_left_as_found(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "runs" / "a") == []  # the folder was there before: it stays
 
 
+def test_signals_held_deliver_each_signal_once_after_the_block(tmp_path, monkeypatch):
+    """Ctrl-C while the run folder is made and locked (the lock file exists, its clean-up is not yet registered)
+    comes after the clean-up is registered, so the exit it causes leaves no folder; outside the main thread the
+    block runs as is."""
+    got, before = [], [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: got.append(signum))
+        with signals_held():
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGTERM)
+            assert got == []
+        assert got == [signal.SIGTERM, signal.SIGINT]  # once each, in the order they came
+        done = []
+        thread = threading.Thread(target=lambda: done.append(signals_held().__enter__() is None))
+        thread.start()
+        thread.join()
+        assert done == [True]
+
+        def stop(signum, frame):
+            raise SystemExit(130)
+
+        signal.signal(signal.SIGINT, stop)
+        monkeypatch.chdir(tmp_path)
+        real_flock, registered = fcntl.flock, []
+        monkeypatch.setattr("common.checkpoint.atexit.register", registered.append)
+        monkeypatch.setattr(
+            "common.checkpoint.fcntl.flock", lambda f, how: (real_flock(f, how), signal.raise_signal(signal.SIGINT))
+        )
+        with pytest.raises(SystemExit) as e:
+            lock_run_folder("runs/a")
+        assert e.value.code == 130 and len(registered) == 1  # the interrupt came after the clean-up was registered
+        registered[0]()
+        assert not (tmp_path / "runs").exists()
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+
+
 def test_run_folder_refuses_to_overwrite_a_run(tmp_path, monkeypatch):
     args = new_run(tmp_path, monkeypatch)
     folder = tmp_path / "runs" / "a"
@@ -897,8 +941,11 @@ def test_a_resumed_run_continues_in_the_checkpoints_folder(tmp_path, monkeypatch
     assert not (tmp_path / "runs").exists()
 
 
+STARTUP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)
+
+
 def test_quiet_startup_interrupts_end_with_one_line_and_status_130(capsys):
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    before, hook = [signal.getsignal(sig) for sig in STARTUP_SIGNALS], sys.unraisablehook
     try:
         quiet_startup_interrupts()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -907,8 +954,37 @@ def test_quiet_startup_interrupts_end_with_one_line_and_status_130(capsys):
             assert e.value.code == 130
             assert capsys.readouterr().err == "interrupted during start-up, before any update: nothing to save\n"
     finally:
-        signal.signal(signal.SIGINT, before[0])
-        signal.signal(signal.SIGTERM, before[1])
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in zip(STARTUP_SIGNALS, before):
+            signal.signal(sig, handler)
+        sys.unraisablehook = hook
+
+
+def test_a_swallowed_startup_interrupt_is_raised_again_until_the_process_exits(capsys):
+    """A SystemExit swallowed where the signal lands (an extension module's init, as numpy.random's Cython module
+    does; a __del__ or weakref callback, which would also print a traceback) does not keep the start-up going: the
+    exit comes again from the timer, with neither a second line nor a traceback."""
+    before = [signal.getsignal(sig) for sig in STARTUP_SIGNALS], sys.unraisablehook
+
+    class LandsInDel:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    try:
+        sys.unraisablehook = sys.__unraisablehook__  # Python's own, which prints to stderr (pytest's warns)
+        quiet_startup_interrupts(every=0.05)
+        LandsInDel()  # collected at once: the SystemExit is raised in its __del__, where Python ignores it
+        assert capsys.readouterr().err == "interrupted during start-up, before any update: nothing to save\n"
+        t0 = time.time()
+        with pytest.raises(SystemExit) as e:
+            time.sleep(5)
+        assert e.value.code == 130 and time.time() - t0 < 1 and capsys.readouterr().err == ""
+        assert signal.getitimer(signal.ITIMER_REAL)[1] == pytest.approx(0.05)  # armed until the exit handlers run
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in zip(STARTUP_SIGNALS, before[0]):
+            signal.signal(sig, handler)
+        sys.unraisablehook = before[1]
 
 
 def test_a_failed_metrics_write_keeps_whole_rows_and_says_so(tmp_path):
